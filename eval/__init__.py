@@ -1,0 +1,1 @@
+"""specdistill evaluation side: the speculative decoder, acceptance metrics, speed model, reports and plots."""

@@ -1,0 +1,75 @@
+"""Sampled speculative output follows the target's distribution (chi-square over thousands of samples)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import eval.speculative as spec_mod
+from conftest import make_model
+from eval.speculative import Sampling, probs_from_logits, speculative_decode
+
+V = 8
+PROMPT = [3, 1, 4]
+N = 3000
+
+
+def exact_two_token_distribution(target, sampling):
+    """p_target(x1, x2 | prompt) for every pair, from the target's own (filtered) distributions."""
+    with torch.no_grad():
+        p1 = probs_from_logits(target(torch.tensor([PROMPT])).logits[0, -1], sampling)
+        seqs = torch.tensor([PROMPT + [x] for x in range(V)])
+        p2 = probs_from_logits(target(seqs).logits[:, -1], sampling)  # (V, V)
+    return p1[:, None] * p2  # (V, V)
+
+
+def chi_square_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson chi-square test; cells with expected count < 5 are pooled into one."""
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
+
+
+def sample_counts(target, draft, sampling, k):
+    g = torch.Generator().manual_seed(1234)
+    counts = torch.zeros(V * V, dtype=torch.float64)
+    for _ in range(N):
+        out = speculative_decode(target, draft, PROMPT, k=k, max_new_tokens=2, sampling=sampling, generator=g)
+        counts[out.output_ids[0] * V + out.output_ids[1]] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = make_model(V, layers=1, hidden=32, seed=0, scale=6.0)
+    draft = make_model(V, layers=1, hidden=32, seed=5, scale=6.0)
+    return target, draft
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.8, top_k=5, top_p=0.9)], ids=["T1", "T0.8-topk-topp"])
+def test_sampled_output_follows_target(pair, sampling):
+    target, draft = pair
+    with torch.no_grad():
+        p = probs_from_logits(target(torch.tensor([PROMPT])).logits[0, -1], sampling)
+        q = probs_from_logits(draft(torch.tensor([PROMPT])).logits[0, -1], sampling)
+    assert 0.5 * (p - q).abs().sum() > 0.2, "the draft must differ from the target for the test to mean anything"
+    expected = exact_two_token_distribution(target, sampling).flatten() * N
+    counts = sample_counts(target, draft, sampling, k=1)
+    assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def test_broken_residual_is_detected(pair, monkeypatch):
+    """Drawing a rejected position from p_target instead of the residual biases the output: caught."""
+    target, draft = pair
+    sampling = Sampling(1.0)
+    monkeypatch.setattr(spec_mod, "residual_distribution", lambda p_target, p_draft: p_target)
+    expected = exact_two_token_distribution(target, sampling).flatten() * N
+    counts = sample_counts(target, draft, sampling, k=1)
+    assert chi_square_pvalue(counts, expected) < 1e-3

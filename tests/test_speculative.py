@@ -1,0 +1,122 @@
+"""Decoder correctness: greedy speculative == vanilla greedy; sampled output follows the target."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import make_model
+from eval.speculative import CachedLM, Sampling, speculative_decode, vanilla_decode
+
+V = 64
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model(V, layers=2, seed=0)
+
+
+def trained_draft(target, steps=30):
+    """A draft partly trained toward the target (a few steps of forward KL on random text)."""
+    draft = make_model(V, layers=1, hidden=32, seed=3).train()
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids = torch.randint(0, V, (4, 24), generator=g)
+        with torch.no_grad():
+            p = target(ids).logits.log_softmax(-1)
+        q = draft(ids).logits.log_softmax(-1)
+        loss = (p.exp() * (p - q)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+class StubDraft(torch.nn.Module):
+    """Wraps a model; its logits always put all mass on `token` (a draft that is never accepted)."""
+
+    def __init__(self, model, token):
+        super().__init__()
+        self.model, self.token = model, token
+        self.config = model.config
+
+    def get_output_embeddings(self):
+        return self.model.get_output_embeddings()
+
+    def forward(self, **kwargs):
+        out = self.model(**kwargs)
+        logits = torch.full_like(out.logits, -1e4)
+        logits[..., self.token] = 0.0
+        out.logits = logits
+        return out
+
+
+PROMPTS = [[5, 9, 17, 3], [40, 41, 2 + 10, 7, 7, 30, 22], [11]]
+
+
+@pytest.mark.parametrize("which", ["self", "random", "trained"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculative_equals_vanilla(target, which, k):
+    draft = {"self": lambda: target, "random": lambda: make_model(V, layers=1, hidden=32, seed=7),
+             "trained": lambda: trained_draft(target)}[which]()
+    for prompt in PROMPTS:
+        vanilla = vanilla_decode(target, prompt, max_new_tokens=40)
+        spec = speculative_decode(target, draft, prompt, k=k, max_new_tokens=40)
+        assert spec.output_ids == vanilla.output_ids
+        assert spec.tokens_generated == 40
+
+
+def test_eos_stops_both_decoders(target):
+    vanilla = vanilla_decode(target, PROMPTS[0], max_new_tokens=30)
+    eos = vanilla.output_ids[12]
+    first = vanilla.output_ids.index(eos)
+    spec = speculative_decode(target, target, PROMPTS[0], k=4, max_new_tokens=30, eos_token_ids=[eos])
+    van = vanilla_decode(target, PROMPTS[0], max_new_tokens=30, eos_token_ids=[eos])
+    assert spec.output_ids == van.output_ids == vanilla.output_ids[: first + 1]
+    assert spec.finish_reason == van.finish_reason == "eos"
+
+
+def test_always_accepted_draft_round_counts(target):
+    k, n = 4, 40
+    spec = speculative_decode(target, target, PROMPTS[1], k=k, max_new_tokens=n)
+    # Every round keeps k drafts plus the bonus token; the last round is shortened to fit n.
+    assert spec.rounds == math.ceil(n / (k + 1))
+    assert spec.total_accepted == spec.total_drafted
+    assert spec.alpha == pytest.approx(1.0) and spec.alpha_empirical == 1.0 and spec.acceptance_rate == 1.0
+    assert spec.slot_accepted == spec.slot_reached
+
+
+def test_never_accepted_draft_round_counts(target):
+    n = 30
+    vanilla = vanilla_decode(target, PROMPTS[0], max_new_tokens=n)
+    never = next(t for t in range(V) if t not in vanilla.output_ids)
+    spec = speculative_decode(target, StubDraft(target, never), PROMPTS[0], k=3, max_new_tokens=n)
+    assert spec.output_ids == vanilla.output_ids
+    assert spec.rounds == n  # one token per round: the target's correction
+    assert spec.total_accepted == 0 and spec.alpha == 0.0
+    assert spec.slot_reached == [n - 1, 0, 0]  # only slot 0 is ever reached (the last round drafts 0)
+
+
+def test_cached_and_uncached_target_logits_agree(target):
+    ids = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
+    full = target(torch.tensor([ids])).logits[0]  # (T, V)
+    lm = CachedLM(target, V)
+    pieces = [lm.forward(ids[:4], keep=4), lm.forward(ids[4:5], keep=1), lm.forward(ids[5:], keep=5)]
+    torch.testing.assert_close(torch.cat(pieces), full, atol=1e-4, rtol=1e-4)
+    lm.crop(6)  # roll back and recompute the same positions
+    torch.testing.assert_close(lm.forward(ids[6:], keep=4), full[6:], atol=1e-4, rtol=1e-4)
+
+
+def test_fallback_guardrail_switches_to_vanilla(target):
+    vanilla = vanilla_decode(target, PROMPTS[0], max_new_tokens=40)
+    never = next(t for t in range(V) if t not in vanilla.output_ids)
+    spec = speculative_decode(target, StubDraft(target, never), PROMPTS[0], k=3, max_new_tokens=40,
+                              fallback_window=10, fallback_threshold=0.4)
+    assert spec.fallback_triggered and spec.fallback_at == 10
+    assert spec.output_ids == vanilla.output_ids
+    good = speculative_decode(target, target, PROMPTS[0], k=3, max_new_tokens=40,
+                              fallback_window=10, fallback_threshold=0.4)
+    assert not good.fallback_triggered

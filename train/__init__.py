@@ -1,0 +1,1 @@
+"""specdistill training side: recipes, model loading, generation, losses, the distill loop, export."""

