@@ -1,0 +1,162 @@
+"""Speed model and aggregation of per-request decoding records into the report's metrics.
+
+Conventions (also written into every report, see CONVENTIONS):
+- alpha: mean of beta = sum_x min(p_target(x), p_draft(x)) = 1 - TV over verified draft positions
+  (greedy: 1[argmax p_target == argmax p_draft]); pooled over requests.
+- expected tokens per round, Leviathan et al. 2023 eq. 1: (1 - alpha^(k+1)) / (1 - alpha), the
+  target's own token included (not the "accepted drafts only" shortcut alpha(1 - alpha^k)/(1 - alpha)).
+- predicted speedup: expected tokens * t_target(1) / (k * t_draft + t_target(k+1)), the costs measured;
+  with t_target(k+1) = t_target(1) this is Leviathan's (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from eval.speculative import BUCKET_NAMES, CachedLM, _sync, output_vocab_size
+
+CONVENTIONS = {
+    "alpha": "mean over verified draft positions of beta = sum_x min(p_target, p_draft) = 1 - TV (greedy: argmax match); pooled over requests",
+    "alpha_empirical": "accepted / verified positions (verified = reached before the first rejection of a round)",
+    "acceptance_rate": "total_accepted / total_drafted (serving engines' 'draft acceptance rate')",
+    "tau": "tokens generated / rounds (mean tokens per target forward, bonus token included)",
+    "slot_acceptance_conditional": "per draft slot: accepted / reached (given the earlier slots were accepted)",
+    "slot_acceptance_unconditional": "per draft slot: accepted / rounds that drafted the slot",
+    "alpha_by_position": "alpha by position of the drafted token in the generated sequence, buckets " + ", ".join(BUCKET_NAMES),
+    "c": "t_draft (one draft token, KV cache) / t_target(1) (one target token, KV cache), measured",
+    "speedup_theoretical": "(1 - alpha^(k+1)) / (1 - alpha) * t_target(1) / (k t_draft + t_target(k+1)), Leviathan et al. 2023 with measured costs",
+    "speedup_observed": "wall time of vanilla target decoding / wall time of speculative decoding, same prompts, same code, one run",
+    "optimal_k": "the k in 1..8 maximising speedup_theoretical at the measured alpha",
+    "max_profitable_temperature": "highest temperature of the sweep, going up from the coldest, whose speedup_theoretical stays above 1",
+    "fallback_rate": "share of requests the guardrail switched to vanilla decoding",
+}
+
+
+@dataclass
+class Costs:
+    """Measured forward times in seconds (median of repeats), with a KV cache of a real prompt."""
+
+    t_draft: float
+    t_target: dict[int, float]
+    """Target time for verifying m tokens at once, m = 1..k_max+1."""
+
+    @property
+    def c(self) -> float:
+        return self.t_draft / self.t_target[1]
+
+    def to_dict(self) -> dict:
+        return {
+            "t_draft_ms": 1e3 * self.t_draft,
+            "t_target_ms": {str(m): 1e3 * t for m, t in sorted(self.t_target.items())},
+            "c": self.c,
+        }
+
+
+def _time_forward(lm: CachedLM, prompt_ids: list[int], n_tokens: int, repeats: int) -> float:
+    base = lm.length
+    times = []
+    for _ in range(repeats + 1):  # the first call warms up
+        _sync(lm.device)
+        start = time.perf_counter()
+        lm.forward(prompt_ids[:n_tokens], keep=n_tokens)
+        _sync(lm.device)
+        times.append(time.perf_counter() - start)
+        lm.crop(base)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+@torch.no_grad()
+def measure_costs(target, draft, prefix_ids: list[int], *, k_max: int = 8, repeats: int = 5) -> Costs:
+    """Time one draft token and target passes over 1..k_max+1 tokens after a cached `prefix_ids`."""
+    vocab = min(output_vocab_size(target), output_vocab_size(draft))
+    probe = (prefix_ids * (1 + (k_max + 1) // max(len(prefix_ids), 1)))[: k_max + 1]
+    target_lm, draft_lm = CachedLM(target, vocab), CachedLM(draft, vocab)
+    target_lm.forward(prefix_ids, keep=1)
+    draft_lm.forward(prefix_ids, keep=1)
+    t_target = {m: _time_forward(target_lm, probe, m, repeats) for m in range(1, k_max + 2)}
+    return Costs(t_draft=_time_forward(draft_lm, probe, 1, repeats), t_target=t_target)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens per round (accepted drafts + the target's token), Leviathan et al. eq. 1."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, k: int, costs: Costs) -> float:
+    t_verify = costs.t_target.get(k + 1, costs.t_target[max(costs.t_target)])
+    return expected_tokens(alpha, k) * costs.t_target[1] / (k * costs.t_draft + t_verify)
+
+
+def optimal_k(alpha: float, costs: Costs, ks=range(1, 9)) -> int:
+    return max(ks, key=lambda k: predicted_speedup(alpha, k, costs))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    pos = (len(values) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def aggregate(records: list[dict], costs: Costs, k: int) -> dict:
+    """Pool per-request records (one temperature, or one domain at one temperature) into metrics."""
+    total = lambda key: sum(r[key] for r in records)  # noqa: E731
+    alpha = _ratio(total("beta_sum"), total("verified"))
+    slots = len(records[0]["slot_reached"]) if records else 0
+    slot_sum = lambda key, i: sum(r[key][i] for r in records)  # noqa: E731
+    buckets = len(BUCKET_NAMES)
+    bucket_alpha = {
+        BUCKET_NAMES[b]: _ratio(sum(r["bucket_beta_sum"][b] for r in records), sum(r["bucket_count"][b] for r in records))
+        for b in range(buckets)
+    }
+    per_request_alpha = [r["alpha"] for r in records if r["alpha"] is not None]
+    theory = predicted_speedup(alpha, k, costs) if alpha is not None else None
+    observed = _ratio(total("wall_time_vanilla"), total("wall_time_spec"))
+    return {
+        "requests": len(records),
+        "tokens_generated": total("tokens_generated"),
+        "rounds": total("rounds"),
+        "total_drafted": total("total_drafted"),
+        "total_accepted": total("total_accepted"),
+        "alpha": alpha,
+        "alpha_empirical": _ratio(total("total_accepted"), total("verified")),
+        "acceptance_rate": _ratio(total("total_accepted"), total("total_drafted")),
+        "tau": _ratio(total("tokens_generated"), total("rounds")),
+        "alpha_p50": percentile(per_request_alpha, 50),
+        "alpha_p99": percentile(per_request_alpha, 99),
+        "slot_acceptance_conditional": [_ratio(slot_sum("slot_accepted", i), slot_sum("slot_reached", i)) for i in range(slots)],
+        "slot_acceptance_unconditional": [_ratio(slot_sum("slot_accepted", i), slot_sum("slot_rounds", i)) for i in range(slots)],
+        "alpha_by_position": bucket_alpha,
+        "speedup_observed": observed,
+        "speedup_theoretical": theory,
+        "observed_over_theoretical": _ratio(observed, theory) if observed and theory else None,
+        "optimal_k": optimal_k(alpha, costs) if alpha is not None else None,
+        "speedup_theoretical_at_optimal_k": predicted_speedup(alpha, optimal_k(alpha, costs), costs) if alpha is not None else None,
+        "fallback_rate": _ratio(sum(bool(r["fallback_triggered"]) for r in records), len(records)),
+        "tokens_per_s_spec": _ratio(total("tokens_generated"), total("wall_time_spec")),
+        "tokens_per_s_vanilla": _ratio(sum(r["vanilla_tokens"] for r in records), total("wall_time_vanilla")),
+    }
+
+
+def max_profitable_temperature(by_temperature: dict[float, dict]) -> float | None:
+    """The highest temperature, going up from the coldest, whose predicted speedup stays above 1."""
+    best = None
+    for temperature in sorted(by_temperature):
+        speedup = by_temperature[temperature]["speedup_theoretical"]
+        if speedup is None or speedup <= 1.0:
+            break
+        best = temperature
+    return best

@@ -1,0 +1,214 @@
+"""Measure a (target, draft) pair on a prompt set: vanilla vs speculative decoding, report.json, requests.jsonl, plots.
+
+`evaluate_pair` runs, for each temperature and prompt, vanilla decoding of the target and
+speculative decoding with the draft back to back (same prompts, same code, one run), then
+aggregates per temperature and per domain (see eval/metrics.py for the conventions).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from eval.metrics import CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, predicted_speedup
+from eval.speculative import Sampling, speculative_decode, vanilla_decode
+from train.fsutil import atomic_write_json, atomic_write_text
+from train.prompts import Prompt, encode_prompt
+
+
+@dataclass
+class EvalSettings:
+    k: int = 4
+    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
+    max_new_tokens: int = 128
+    top_k: int = 0
+    top_p: float = 1.0
+    fallback_window: int = 100
+    fallback_threshold: float = 0.4
+    max_prompt_tokens: int = 512
+    seed: int = 0
+
+    @classmethod
+    def from_recipe(cls, section, seed: int = 0, max_prompt_tokens: int = 512) -> "EvalSettings":
+        return cls(k=section.k, temperatures=tuple(section.temperatures), max_new_tokens=section.max_new_tokens,
+                   top_k=section.top_k, top_p=section.top_p, fallback_window=section.fallback_window,
+                   fallback_threshold=section.fallback_threshold, max_prompt_tokens=max_prompt_tokens, seed=seed)
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(source)
+    return sorted(ids)
+
+
+def _request_record(prompt: Prompt, temperature: float, settings: EvalSettings, pair: str, spec, vanilla, costs) -> dict:
+    alpha = spec.alpha
+    return {
+        "request_id": prompt.id,
+        "model_pair": pair,
+        "domain": prompt.domain,
+        "temperature": temperature,
+        "k": settings.k,
+        "tokens_generated": spec.tokens_generated,
+        "rounds": spec.rounds,
+        "total_drafted": spec.total_drafted,
+        "total_accepted": spec.total_accepted,
+        "verified": spec.verified,
+        "beta_sum": spec.beta_sum,
+        "acceptance_rate": spec.acceptance_rate,
+        "alpha": alpha,
+        "alpha_empirical": spec.alpha_empirical,
+        "tau": spec.tau,
+        "speedup_observed": vanilla.wall_time / spec.wall_time,
+        "speedup_theoretical": predicted_speedup(alpha, settings.k, costs) if alpha is not None else None,
+        "fallback_triggered": spec.fallback_triggered,
+        "fallback_at": spec.fallback_at,
+        "finish_reason": spec.finish_reason,
+        "wall_time_spec": spec.wall_time,
+        "wall_time_vanilla": vanilla.wall_time,
+        "vanilla_tokens": vanilla.tokens_generated,
+        "slot_reached": spec.slot_reached,
+        "slot_accepted": spec.slot_accepted,
+        "slot_rounds": spec.slot_rounds,
+        "bucket_beta_sum": spec.bucket_beta_sum,
+        "bucket_count": spec.bucket_count,
+        "output_ids": spec.output_ids,
+        "vanilla_output_ids": vanilla.output_ids,
+    }
+
+
+@torch.no_grad()
+def evaluate_pair(
+    target,
+    draft,
+    tokenizer,
+    prompts: list[Prompt],
+    settings: EvalSettings,
+    *,
+    target_name: str,
+    draft_name: str,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    plots: bool = True,
+) -> dict:
+    """Decode every prompt at every temperature with and without the draft; return (and write) the report."""
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    pair = f"{target_name} <- {draft_name}"
+    eos = eos_ids(tokenizer, target)
+    vocab = len(tokenizer)
+    encoded = [encode_prompt(tokenizer, p, settings.max_prompt_tokens) for p in prompts]
+
+    # Warm both models up (first calls allocate), then measure the costs on a real prompt.
+    speculative_decode(target, draft, encoded[0], k=settings.k, max_new_tokens=4, vocab_size=vocab)
+    costs = measure_costs(target, draft, encoded[0], k_max=max(8, settings.k))
+
+    records = []
+    bar = tqdm(total=len(prompts) * len(settings.temperatures), desc="eval requests", unit="req", disable=not progress)
+    for t_index, temperature in enumerate(settings.temperatures):
+        sampling = Sampling(temperature, settings.top_k, settings.top_p)
+        for p_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+            seed = settings.seed * 1_000_003 + t_index * 10_007 + p_index
+            device = next(target.parameters()).device
+            common = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=eos, vocab_size=vocab)
+            vanilla = vanilla_decode(target, ids, generator=torch.Generator(device).manual_seed(seed), **common)
+            spec = speculative_decode(
+                target, draft, ids, k=settings.k, generator=torch.Generator(device).manual_seed(seed),
+                fallback_window=settings.fallback_window, fallback_threshold=settings.fallback_threshold, **common,
+            )
+            records.append(_request_record(prompt, temperature, settings, pair, spec, vanilla, costs))
+            bar.update(1)
+            bar.set_postfix(T=temperature, alpha=f"{spec.alpha or 0:.2f}", tau=f"{spec.tau or 0:.2f}")
+    bar.close()
+
+    report = build_report(records, costs, settings, target_name=target_name, draft_name=draft_name,
+                          device=str(next(target.parameters()).device), dtype=str(next(target.parameters()).dtype))
+    if out_dir is not None:
+        write_report(report, records, out_dir, plots=plots)
+    return report
+
+
+def build_report(records: list[dict], costs, settings: EvalSettings, *, target_name, draft_name, device, dtype) -> dict:
+    by_temperature, by_domain = {}, {}
+    for temperature in settings.temperatures:
+        group = [r for r in records if r["temperature"] == temperature]
+        by_temperature[temperature] = aggregate(group, costs, settings.k)
+        domains = sorted({r["domain"] for r in group})
+        by_domain[temperature] = {d: aggregate([r for r in group if r["domain"] == d], costs, settings.k) for d in domains}
+    greedy = [r for r in records if r["temperature"] == 0]
+    return {
+        "pair": {"target": target_name, "draft": draft_name},
+        "settings": {**settings.__dict__, "temperatures": list(settings.temperatures)},
+        "device": device,
+        "dtype": dtype,
+        "conventions": CONVENTIONS,
+        "costs": costs.to_dict(),
+        "overall": aggregate(records, costs, settings.k),
+        "by_temperature": {str(t): v for t, v in by_temperature.items()},
+        "by_domain": {str(t): v for t, v in by_domain.items()},
+        "max_profitable_temperature": max_profitable_temperature(by_temperature),
+        "greedy_identical_to_vanilla": (sum(r["output_ids"] == r["vanilla_output_ids"] for r in greedy) / len(greedy)) if greedy else None,
+    }
+
+
+def write_report(report: dict, records: list[dict], out_dir: str | Path, plots: bool = True) -> None:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / "requests.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    if plots:
+        from eval.plots import write_plots
+
+        report["plots"] = write_plots(report, records, out_dir)
+    atomic_write_json(out_dir / "report.json", report)  # last: its presence marks a finished eval
+
+
+def _fmt(value, digits=3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda row: "  ".join(c.rjust(w) for c, w in zip(row, widths))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def summary_text(report: dict) -> str:
+    costs = report["costs"]
+    k = report["settings"]["k"]
+    head = (
+        f"pair: {report['pair']['target']} <- {report['pair']['draft']}   k={k}   device={report['device']} ({report['dtype']})\n"
+        f"costs: draft {costs['t_draft_ms']:.1f} ms/token, target {costs['t_target_ms']['1']:.1f} ms (1 token), "
+        f"{costs['t_target_ms'][str(k + 1)]:.1f} ms ({k + 1} tokens), c = {costs['c']:.3f}\n"
+    )
+    headers = ["T", "alpha", "alpha_emp", "acc_rate", "tau", "speedup_obs", "speedup_theo", "opt_k", "fallback", "P50 a", "P99 a"]
+    rows = [
+        [float(t), a["alpha"], a["alpha_empirical"], a["acceptance_rate"], a["tau"], a["speedup_observed"],
+         a["speedup_theoretical"], a["optimal_k"], a["fallback_rate"], a["alpha_p50"], a["alpha_p99"]]
+        for t, a in report["by_temperature"].items()
+    ]
+    domain_rows = [
+        [float(t), d, a["requests"], a["alpha"], a["tau"], a["speedup_observed"], a["speedup_theoretical"]]
+        for t, domains in report["by_domain"].items()
+        for d, a in domains.items()
+    ]
+    tail = f"max profitable temperature: {_fmt(report['max_profitable_temperature'])}"
+    if report["greedy_identical_to_vanilla"] is not None:
+        tail += f"   greedy output identical to vanilla: {100 * report['greedy_identical_to_vanilla']:.0f}% of requests"
+    return (
+        head + "\n" + format_table(headers, rows) + "\n\n"
+        + format_table(["T", "domain", "requests", "alpha", "tau", "speedup_obs", "speedup_theo"], domain_rows)
+        + "\n\n" + tail
+    )

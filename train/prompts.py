@@ -1,0 +1,109 @@
+"""Prompt sets: the built-in set (train / held-out split fixed by id), JSON lines, CSV, parquet, hub datasets.
+
+A prompt is a user message (the chat template is applied when the tokenizer has one) or a list of
+chat messages, with an `id` and a `domain` used to break metrics down.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from train.errors import UserError
+
+BUILTIN_PATH = Path(__file__).parent / "data" / "prompts.jsonl"
+HELD_OUT_BUCKETS = 8  # one id in eight (by CRC32) is held out
+
+
+@dataclass
+class Prompt:
+    id: str
+    domain: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    """Chat messages [{role, content}, ...]; when set, used instead of `prompt`."""
+
+    def as_messages(self) -> list[dict]:
+        return self.messages if self.messages is not None else [{"role": "user", "content": self.prompt}]
+
+
+def is_held_out(prompt_id: str) -> bool:
+    return zlib.crc32(prompt_id.encode()) % HELD_OUT_BUCKETS == 0
+
+
+def _row_to_prompt(row: dict, index: int, where: str, *, prompt_column="prompt", id_column="id",
+                   domain_column="domain", chat_column=None) -> Prompt:
+    messages = None
+    if chat_column:
+        messages = row.get(chat_column)
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
+            raise UserError(f"{where}: column '{chat_column}' must hold a list of {{role, content}} messages")
+        text = None
+    else:
+        text = row.get(prompt_column)
+        if not isinstance(text, str) or not text.strip():
+            raise UserError(f"{where}: expected a non-empty string in '{prompt_column}'")
+    pid = row.get(id_column) if id_column else None
+    domain = row.get(domain_column) if domain_column else None
+    return Prompt(id=str(pid) if pid is not None else str(index), domain=str(domain or "general"),
+                  prompt=text, messages=messages)
+
+
+def read_jsonl_prompts(path: str | Path, **columns) -> list[Prompt]:
+    """JSON lines with `prompt` (or a chat column) and optional `id`, `domain`; errors name file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"prompt file '{path}' not found")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"prompt file '{path}' line {number}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"prompt file '{path}' line {number}: expected a JSON object")
+        prompts.append(_row_to_prompt(row, len(prompts), f"prompt file '{path}' line {number}", **columns))
+    if not prompts:
+        raise UserError(f"prompt file '{path}' holds no prompts")
+    return prompts
+
+
+def builtin_prompts(split: str = "train") -> list[Prompt]:
+    """The prompt set shipped with specdistill; `split` is `train`, `held_out` or `all`."""
+    prompts = read_jsonl_prompts(BUILTIN_PATH)
+    if split == "all":
+        return prompts
+    want_held_out = split == "held_out"
+    return [p for p in prompts if is_held_out(p.id) == want_held_out]
+
+
+def spread(prompts: list[Prompt], n: int | None) -> list[Prompt]:
+    """At most `n` prompts, taken round-robin over domains so a short eval still covers each one."""
+    if n is None or n >= len(prompts):
+        return prompts
+    by_domain: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_domain.setdefault(p.domain, []).append(p)
+    out, i = [], 0
+    while len(out) < n:
+        for group in by_domain.values():
+            if i < len(group) and len(out) < n:
+                out.append(group[i])
+        i += 1
+    return out
+
+
+def encode_prompt(tokenizer, prompt: Prompt, max_tokens: int | None = None) -> list[int]:
+    """Token ids of the prompt, through the chat template when the tokenizer has one (left-truncated)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(prompt.as_messages(), add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+    else:
+        text = "\n".join(m["content"] for m in prompt.as_messages())
+        ids = tokenizer(text)["input_ids"]
+    ids = list(ids)
+    return ids[-max_tokens:] if max_tokens else ids
