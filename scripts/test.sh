@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run the test suite on CPU: bash scripts/test.sh [pytest arguments]
+# Runs scripts/setup.sh first when .venv is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || bash scripts/setup.sh
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export OMP_NUM_THREADS=1 WANDB_MODE=offline HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+python -m pytest -q "$@"

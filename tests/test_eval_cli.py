@@ -1,0 +1,76 @@
+"""`python -m eval` end to end on tiny models: report.json, requests.jsonl, plots, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eval.__main__ import main as eval_main
+from eval.metrics import Costs, expected_tokens, optimal_k, percentile, predicted_speedup
+
+REQUEST_FIELDS = {"request_id", "model_pair", "temperature", "k", "tokens_generated", "rounds", "total_drafted",
+                  "total_accepted", "acceptance_rate", "alpha", "tau", "speedup_observed", "speedup_theoretical",
+                  "fallback_triggered", "domain", "output_ids", "vanilla_output_ids", "alpha_empirical"}
+
+
+def test_eval_command_writes_report_requests_and_plots(tmp_path, tiny_target_dir, tiny_draft_dir, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "domain": "code", "prompt": "def add(a, b):"}\n'
+                       '{"prompt": "Hello! How can I help you?", "domain": "chat"}\n')
+    out = tmp_path / "out"
+    eval_main(["--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--prompts", str(prompts),
+               "--k", "3", "--temperatures", "0,1", "--max-new-tokens", "12", "--out", str(out), "--quiet"])
+    printed = capsys.readouterr().out
+    assert "alpha" in printed and "speedup_obs" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["by_temperature"]) == {"0.0", "1.0"}
+    assert set(report["by_domain"]["0.0"]) == {"code", "chat"}
+    assert report["greedy_identical_to_vanilla"] == 1.0
+    assert report["costs"]["c"] > 0 and set(report["costs"]["t_target_ms"]) >= {"1", "4", "9"}
+    assert "alpha" in report["conventions"] and "speedup_theoretical" in report["conventions"]
+    for name in report["plots"].values():
+        assert (out / name).stat().st_size > 1000
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    for record in records:
+        assert REQUEST_FIELDS <= set(record)
+        assert record["tokens_generated"] == len(record["output_ids"])
+        if record["temperature"] == 0:
+            assert record["output_ids"] == record["vanilla_output_ids"]
+    greedy = report["by_temperature"]["0.0"]
+    assert greedy["tokens_generated"] == sum(r["tokens_generated"] for r in records if r["temperature"] == 0)
+    assert len(greedy["slot_acceptance_conditional"]) == 3
+
+
+def run_eval(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        eval_main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return exc.value.code, err.strip().splitlines()[-1]
+
+
+def test_bad_prompt_file_names_file_and_line(tmp_path, tiny_target_dir, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"prompt": broken}\n')
+    code, line = run_eval(["--target", str(tiny_target_dir), "--draft", str(tiny_target_dir), "--prompts", str(prompts)], capsys)
+    assert code == 2 and f"prompt file '{prompts}' line 2: not valid JSON" in line
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    code, line = run_eval(["--target", str(tiny_target_dir), "--draft", str(tiny_target_dir), "--prompts", str(empty)], capsys)
+    assert code == 2 and "holds no prompts" in line
+    code, line = run_eval(["--target", str(tiny_target_dir), "--draft", str(tiny_target_dir), "--k", "0"], capsys)
+    assert code == 2 and "must be >= 1" in line
+    code, line = run_eval(["--target", str(tiny_target_dir), "--draft", str(tiny_target_dir), "--temperatures", "0,-1"], capsys)
+    assert code == 2 and "temperatures must be >= 0" in line
+
+
+def test_speed_model_matches_leviathan():
+    costs = Costs(t_draft=0.01, t_target={m: 0.1 for m in range(1, 10)})  # c = 0.1, verify cost flat
+    alpha, k = 0.8, 4
+    leviathan = (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * costs.c + 1))
+    assert predicted_speedup(alpha, k, costs) == pytest.approx(leviathan)
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
+    assert optimal_k(0.0, costs) == 1 and optimal_k(0.95, costs) == 8
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 50) is None
