@@ -68,11 +68,12 @@ def plot_speedup_vs_alpha(report: dict, records: list[dict], path: Path) -> str:
     ax.plot(grid, [predicted_speedup(a, k, costs) for a in grid], "k-", label=f"theory, k={k}, measured costs")
     for t in report["by_temperature"]:
         pts = [(r["alpha"], r["speedup_observed"]) for r in records if str(r["temperature"]) == t and r["alpha"] is not None]
+        color = None
         if pts:
-            ax.scatter(*zip(*pts), s=12, alpha=0.6, label=f"requests T={t}")
+            color = ax.scatter(*zip(*pts), s=12, alpha=0.6, label=f"requests T={t}").get_facecolor()[0][:3]
         agg = report["by_temperature"][t]
         if agg["alpha"] is not None and agg["speedup_observed"] is not None:
-            ax.scatter([agg["alpha"]], [agg["speedup_observed"]], marker="*", s=160, edgecolor="k")
+            ax.scatter([agg["alpha"]], [agg["speedup_observed"]], marker="*", s=160, edgecolor="k", color=color)
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set(xlabel="alpha", ylabel="speedup over vanilla", title="Observed speedup vs theory (stars: pooled)")
     ax.legend(fontsize=7)
