@@ -33,7 +33,10 @@ def prepare_run_dir(recipe: Recipe, overwrite: bool = False):
 
 
 def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
-    device = pick_device()
+    from train.dist import distributed_state, wait_for_everyone
+
+    state = distributed_state()
+    device = state.device if state.num_processes > 1 else pick_device()
     log(f"recipe '{recipe.name}': stages {' -> '.join(recipe.stages)}; run directory {recipe.run_dir}; device {device}")
     tokenizer = load_tokenizer(recipe.target.model, trust_remote_code=recipe.target.trust_remote_code,
                                revision=recipe.target.revision)
@@ -47,9 +50,18 @@ def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
     if dry_run:
         log("dry run: recipe and model pair are valid; nothing was run")
         return
-    run_dir = prepare_run_dir(recipe, overwrite)
+    if state.is_main_process:
+        prepare_run_dir(recipe, overwrite)
+    wait_for_everyone()
+    run_dir = recipe.run_dir
     for stage in recipe.stages:
-        if stage == "eval":
+        if stage == "generate":
+            from train.generate import run_generate_stage
+
+            run_generate_stage(recipe, target, tokenizer, run_dir, state)
+        elif stage == "eval":
+            if not state.is_main_process:
+                continue
             from eval.stage import run_eval_stage
 
             run_eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir)

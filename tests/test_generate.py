@@ -1,0 +1,151 @@
+"""Generate stage on a tiny target: columns, correctness, resume after SIGKILL, two processes, prompt sources."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from train.generate import load_generated, load_prompts
+from train.recipe import parse_recipe
+
+
+def write_recipe(tmp_path, target_dir, run_dir, **generate):
+    gen = {"temperatures": [0.0, 1.0], "max_new_tokens": 12, "batch_size": 4, "shard_size": 6, "num_samples": 2, **generate}
+    text = json.dumps({"name": "gen", "output_dir": str(run_dir), "seed": 3, "stages": ["generate"],
+                       "target": {"model": str(target_dir)}, "draft": {"layers": [0]},
+                       "data": {"max_prompts": 10}, "generate": gen})
+    path = tmp_path / f"{run_dir.name}.yaml"
+    path.write_text(text)  # JSON is YAML
+    return path
+
+
+def run_train(recipe, *extra, env=None):
+    return subprocess.run([sys.executable, "-m", "train", str(recipe), *extra], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=600)
+
+
+def rows_of(run_dir):
+    ds = load_generated(run_dir)
+    return sorted((json.dumps(r, sort_keys=True) for r in ds.to_list()))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_target_dir):
+    tmp = tmp_path_factory.mktemp("gen-ref")
+    recipe = write_recipe(tmp, tiny_target_dir, tmp / "ref", topk_logprobs=3)
+    proc = run_train(recipe)
+    assert proc.returncode == 0, proc.stderr
+    return tmp / "ref", proc
+
+
+def test_generated_dataset_columns_and_counts(reference, tiny_target_dir):
+    run_dir, proc = reference
+    manifest = json.loads((run_dir / "generate" / "manifest.json").read_text())
+    # 10 prompts: greedy once + 2 samples at T=1 -> 30 rows in shards of 6
+    assert manifest["rows"] == 30 and len(manifest["shards"]) == 5 and manifest["processes"] == 1
+    ds = load_generated(run_dir)
+    assert {"prompt_id", "domain", "temperature", "prompt_ids", "completion_ids", "finish_reason", "topk_ids",
+            "topk_logprobs"} <= set(ds.column_names)
+    for row in ds:
+        assert 1 <= len(row["completion_ids"]) <= 12
+        assert row["finish_reason"] in {"eos", "length"}
+        assert len(row["topk_ids"]) == len(row["completion_ids"]) and len(row["topk_ids"][0]) == 3
+        assert row["topk_logprobs"][0][0] >= row["topk_logprobs"][0][1]
+    assert "tokens/s" in proc.stderr and "30 rows" in proc.stderr
+
+
+def test_greedy_rows_equal_unbatched_greedy_decoding(reference, tiny_target_dir):
+    from eval.speculative import vanilla_decode
+    from train.models import load_model
+
+    target = load_model(str(tiny_target_dir), device="cpu")
+    ds = load_generated(reference[0])
+    greedy = [r for r in ds if r["temperature"] == 0]
+    assert len(greedy) == 10
+    for row in greedy[:5]:
+        alone = vanilla_decode(target, row["prompt_ids"], max_new_tokens=12, eos_token_ids=[2])
+        assert row["completion_ids"] == alone.output_ids
+
+
+def test_rerun_is_a_no_op_and_kill_then_resume_matches(reference, tmp_path, tiny_target_dir):
+    ref_dir, _ = reference
+    again = run_train(write_recipe(tmp_path, tiny_target_dir, ref_dir, topk_logprobs=3))
+    assert again.returncode == 0 and "already finished" in again.stderr
+
+    # Uninterrupted run with one row per shard (shards are the unit of seeding, so compare like with like).
+    whole_dir = tmp_path / "whole"
+    assert run_train(write_recipe(tmp_path, tiny_target_dir, whole_dir, topk_logprobs=3, shard_size=1)).returncode == 0
+    run_dir = tmp_path / "killed"
+    recipe = write_recipe(tmp_path, tiny_target_dir, run_dir, topk_logprobs=3, shard_size=1)
+    proc = subprocess.Popen([sys.executable, "-m", "train", str(recipe)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    data = run_dir / "generate" / "data"
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(data.glob("shard-*.parquet"))) < 3:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(list(data.glob("shard-*.parquet")))
+    assert 3 <= done < 30, "the kill should land mid-run"
+    assert not (run_dir / "generate" / "manifest.json").exists()
+    (data / ".shard-00029.parquet.tmp-1").write_bytes(b"half a shard")  # a torn write is never read
+    resumed = run_train(recipe)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{done} of this process's 30 shards already written" in resumed.stderr
+    assert rows_of(run_dir) == rows_of(whole_dir)  # no row lost or duplicated
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_write_the_same_dataset(reference, tmp_path, tiny_target_dir):
+    run_dir = tmp_path / "ddp"
+    recipe = write_recipe(tmp_path, tiny_target_dir, run_dir, topk_logprobs=3)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/ddp.yaml"),
+           "--num_processes", "2", "--main_process_port", str(free_port()), "-m", "train", str(recipe)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((run_dir / "generate" / "manifest.json").read_text())
+    assert manifest["processes"] == 2
+    assert "generate [1]" in proc.stderr  # rank 1 really ran
+    assert rows_of(run_dir) == rows_of(reference[0])
+
+
+def test_prompt_sources_csv_parquet_and_saved_dataset(tmp_path):
+    import datasets
+
+    rows = [{"q": "What is 2+2?", "kind": "math", "uid": "a"}, {"q": "Write a poem.", "kind": "prose", "uid": "b"}]
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_csv(str(tmp_path / "p.csv"))
+    ds.to_parquet(str(tmp_path / "p.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    for source, path in [("files", "p.csv"), ("files", "p.parquet"), ("hub", "saved")]:
+        recipe = parse_recipe({"name": "x", "data": {"source": source, "path": str(tmp_path / path), "prompt_column": "q",
+                                                     "domain_column": "kind", "id_column": "uid"}})
+        prompts = load_prompts(recipe.data)
+        assert [(p.id, p.domain, p.prompt) for p in prompts] == [("a", "math", "What is 2+2?"), ("b", "prose", "Write a poem.")]
+    chat = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}]}])
+    chat.save_to_disk(str(tmp_path / "chat"))
+    recipe = parse_recipe({"name": "x", "data": {"source": "hub", "path": str(tmp_path / "chat"), "chat_column": "messages"}})
+    assert load_prompts(recipe.data)[0].as_messages() == [{"role": "user", "content": "hi"}]
+
+
+def test_builtin_prompt_set_is_varied_and_split():
+    from train.prompts import builtin_prompts
+
+    train, held_out = builtin_prompts("train"), builtin_prompts("held_out")
+    assert len(train) + len(held_out) >= 300
+    assert {p.domain for p in held_out} == {"code", "math", "json", "prose", "chat"}
+    assert not {p.id for p in train} & {p.id for p in held_out}

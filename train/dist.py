@@ -1,0 +1,37 @@
+"""Process state for one process or many (accelerate launch): rank, world size, device, barriers.
+
+On a machine without CUDA and more than one process, the process group must use gloo: otherwise
+accelerate leaves every rank believing it is rank 0 of 1, silently.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def distributed_state():
+    """accelerate's PartialState, with the gloo backend when several processes share no GPU."""
+    from accelerate import PartialState
+
+    kwargs = {}
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        kwargs["backend"] = "gloo"
+    state = PartialState(**kwargs)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and state.num_processes != world:
+        raise RuntimeError(f"launched with WORLD_SIZE={world} but the process group has {state.num_processes} processes")
+    return state
+
+
+def wait_for_everyone() -> None:
+    """A barrier over all processes.
+
+    accelerate's own `wait_for_everyone` is a no-op when it reports DistributedType.NO, which it does
+    for CPU processes launched with ACCELERATE_USE_CPU=1 even though a gloo group of 2 exists.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

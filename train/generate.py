@@ -1,0 +1,240 @@
+"""The generate stage: the target writes completions for the prompt set, sharded parquet under RUN/generate/.
+
+Rows are (prompt, temperature, sample) in a fixed order, cut into shards of `generate.shard_size`
+rows. A shard is the unit of work and of resumption: it is generated in fixed batches with a seed
+of its own, written to a temporary name and renamed, so a finished shard is never redone and a
+half-written one is never read. Under `accelerate launch` process r takes shards r, r + n, ...;
+the union equals a one-process run with the same seed. The manifest is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from train.errors import UserError
+from train.fsutil import atomic_write_json
+from train.models import log
+from train.prompts import Prompt, builtin_prompts, encode_prompt, read_jsonl_prompts
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Row:
+    prompt: Prompt
+    prompt_ids: list[int]
+    temperature: float
+    sample: int
+
+
+# ---------------------------------------------------------------------------- prompt sources
+
+
+def load_prompts(data) -> list[Prompt]:
+    """Prompts named by the recipe's `data` section (built-in train split, local files, or a hub dataset)."""
+    columns = dict(prompt_column=data.prompt_column, id_column=data.id_column, domain_column=data.domain_column,
+                   chat_column=data.chat_column)
+    if data.source == "builtin":
+        prompts = builtin_prompts("train")
+    elif data.source == "files" and str(data.path).endswith(".jsonl"):
+        prompts = read_jsonl_prompts(data.path, **columns)
+    else:
+        prompts = _dataset_prompts(data, columns)
+    return prompts[: data.max_prompts] if data.max_prompts else prompts
+
+
+def _dataset_prompts(data, columns) -> list[Prompt]:
+    """CSV / parquet / JSON files, a dataset saved with `save_to_disk`, or a hub dataset id, via `datasets`."""
+    import datasets
+
+    from train.prompts import _row_to_prompt
+
+    path = str(data.path)
+    try:
+        if data.source == "files":
+            suffix = Path(path.split("*")[0]).suffix.lstrip(".") or Path(path).suffix.lstrip(".")
+            builder = {"csv": "csv", "parquet": "parquet", "json": "json", "jsonl": "json"}.get(suffix)
+            if builder is None:
+                raise UserError(f"recipe key 'data.path': '{path}' is not a .jsonl, .json, .csv or .parquet file")
+            table = datasets.load_dataset(builder, data_files=path, split="train")
+        elif Path(path).is_dir() and (Path(path) / "dataset_info.json").exists():
+            table = datasets.load_from_disk(path)
+        elif Path(path).is_dir() and any((Path(path) / data.split).glob("dataset_info.json")):
+            table = datasets.load_from_disk(str(Path(path) / data.split))
+        else:
+            table = datasets.load_dataset(path, split=data.split)
+    except FileNotFoundError as err:
+        raise UserError(f"recipe key 'data.path': {str(err).splitlines()[0]}") from None
+    except (ValueError, ConnectionError, OSError) as err:
+        raise UserError(f"cannot load dataset '{path}': {str(err).splitlines()[0]}") from None
+    needed = data.chat_column or data.prompt_column
+    if needed not in table.column_names:
+        raise UserError(f"dataset '{path}' has no column '{needed}' (columns: {', '.join(table.column_names)})")
+    return [_row_to_prompt(row, i, f"dataset '{path}' row {i}", **columns) for i, row in enumerate(table)]
+
+
+# ---------------------------------------------------------------------------- rows and shards
+
+
+def build_rows(prompts: list[Prompt], tokenizer, generate, max_prompt_tokens: int) -> list[Row]:
+    rows = []
+    for temperature in generate.temperatures:
+        samples = 1 if temperature == 0 else generate.num_samples  # greedy has one answer
+        for prompt in prompts:
+            ids = encode_prompt(tokenizer, prompt, max_prompt_tokens)
+            rows.extend(Row(prompt, ids, temperature, s) for s in range(samples))
+    return rows
+
+
+def shard_path(out_dir: Path, index: int) -> Path:
+    return out_dir / "data" / f"shard-{index:05d}.parquet"
+
+
+@torch.no_grad()
+def generate_batch(target, tokenizer, rows: list[Row], generate, seed: int):
+    """Left-padded batched `generate` at one temperature; returns per row (completion ids, finish reason, top-k)."""
+    pad = tokenizer.pad_token_id
+    width = max(len(r.prompt_ids) for r in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+        attention[i, width - len(r.prompt_ids):] = 1
+    device = next(target.parameters()).device
+    temperature = rows[0].temperature
+    eos = tokenizer.eos_token_id
+    kwargs = dict(do_sample=False) if temperature == 0 else dict(
+        do_sample=True, temperature=temperature, top_p=generate.top_p, top_k=generate.top_k or None)
+    torch.manual_seed(seed)
+    out = target.generate(
+        input_ids=input_ids.to(device), attention_mask=attention.to(device), max_new_tokens=generate.max_new_tokens,
+        eos_token_id=eos, pad_token_id=pad, return_dict_in_generate=True, output_logits=generate.topk_logprobs > 0, **kwargs,
+    )
+    completions = out.sequences[:, width:].tolist()
+    results = []
+    for i, ids in enumerate(completions):
+        finish = "length"
+        if eos in ids:
+            ids = ids[: ids.index(eos) + 1]
+            finish = "eos"
+        topk = None
+        if generate.topk_logprobs:
+            # log-probs of the raw logits (temperature 1), top-k per position, stored as float16.
+            steps = torch.stack([step[i] for step in out.logits[: len(ids)]]).float().log_softmax(-1)  # (n, V)
+            values, indices = steps.topk(generate.topk_logprobs, dim=-1)
+            topk = (indices.tolist(), values.half().tolist())
+        results.append((ids, finish, topk))
+    return results
+
+
+def write_shard(path: Path, rows: list[Row], results) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = {
+        "prompt_id": [r.prompt.id for r in rows],
+        "domain": [r.prompt.domain for r in rows],
+        "temperature": [float(r.temperature) for r in rows],
+        "sample": [r.sample for r in rows],
+        "prompt_ids": [r.prompt_ids for r in rows],
+        "completion_ids": [res[0] for res in results],
+        "finish_reason": [res[1] for res in results],
+    }
+    if results and results[0][2] is not None:
+        table["topk_ids"] = [res[2][0] for res in results]
+        table["topk_logprobs"] = pa.array([res[2][1] for res in results], type=pa.list_(pa.list_(pa.float16())))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(pa.table(table), tmp)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> Path:
+    """Generate every unfinished shard this process owns; the main process writes the manifest last."""
+    from train.dist import distributed_state, wait_for_everyone
+
+    state = state or distributed_state()
+    out_dir = Path(run_dir) / "generate"
+    manifest_path = out_dir / "manifest.json"
+    if manifest_path.is_file():
+        log(f"generate: already finished ({manifest_path}); skipped")
+        return out_dir
+    gen = recipe.generate
+    prompts = load_prompts(recipe.data)
+    if not prompts:
+        raise UserError("recipe key 'data': the prompt source holds no prompts")
+    rows = build_rows(prompts, tokenizer, gen, recipe.data.max_prompt_tokens)
+    n_shards = (len(rows) + gen.shard_size - 1) // gen.shard_size
+    mine = [i for i in range(n_shards) if i % state.num_processes == state.process_index]
+    todo = [i for i in mine if not shard_path(out_dir, i).is_file()]
+    todo_rows = sum(len(rows[i * gen.shard_size:(i + 1) * gen.shard_size]) for i in todo)
+    if len(todo) < len(mine):
+        log(f"generate: {len(mine) - len(todo)} of this process's {len(mine)} shards already written; resuming")
+    bar = tqdm(total=todo_rows, desc=f"generate [{state.process_index}]", unit="row", disable=not todo_rows,
+               position=state.process_index)
+    start, new_tokens = time.perf_counter(), 0
+    for index in todo:
+        shard_rows = rows[index * gen.shard_size:(index + 1) * gen.shard_size]
+        results = []
+        # Batches never mix temperatures; each has a seed fixed by (recipe seed, shard, batch).
+        batches, current = [], []
+        for row in shard_rows:
+            if current and (row.temperature != current[0].temperature or len(current) == gen.batch_size):
+                batches.append(current)
+                current = []
+            current.append(row)
+        batches.append(current)
+        for b, batch in enumerate(batches):
+            out = generate_batch(target, tokenizer, batch, gen, seed=recipe.seed * 1_000_003 + index * 1_009 + b)
+            results.extend(out)
+            new_tokens += sum(len(r[0]) for r in out)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
+        write_shard(shard_path(out_dir, index), shard_rows, results)
+    bar.close()
+    elapsed = time.perf_counter() - start
+    wait_for_everyone()
+    if state.is_main_process:
+        missing = [i for i in range(n_shards) if not shard_path(out_dir, i).is_file()]
+        if missing:
+            raise RuntimeError(f"generate: shards {missing[:5]} missing after all processes finished")
+        import pyarrow.parquet as pq
+
+        counts = [pq.read_metadata(shard_path(out_dir, i)).num_rows for i in range(n_shards)]
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "rows": sum(counts),
+            "shards": [{"file": shard_path(out_dir, i).relative_to(out_dir).as_posix(), "rows": c} for i, c in enumerate(counts)],
+            "prompts": len(prompts),
+            "temperatures": gen.temperatures,
+            "num_samples": gen.num_samples,
+            "max_new_tokens": gen.max_new_tokens,
+            "topk_logprobs": gen.topk_logprobs,
+            "seed": recipe.seed,
+            "processes": state.num_processes,
+        }
+        atomic_write_json(manifest_path, manifest)
+        rate = new_tokens / elapsed if elapsed > 0 else 0.0
+        log(f"generate: {manifest['rows']} rows in {n_shards} shards ({len(todo)} written now); "
+            f"this process: {new_tokens} new tokens in {elapsed:.1f}s = {rate:.1f} tokens/s; {out_dir}")
+    wait_for_everyone()
+    return out_dir
+
+
+def load_generated(run_dir: Path):
+    """The generated rows as a `datasets.Dataset` (parquet shards listed in the manifest)."""
+    import datasets
+
+    out_dir = Path(run_dir) / "generate"
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    files = [str(out_dir / s["file"]) for s in manifest["shards"]]
+    return datasets.load_dataset("parquet", data_files=files, split="train")
