@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.speculative import BUCKET_NAMES, CachedLM, _sync, output_vocab_size
+from eval.speculative import BUCKET_NAMES, CachedLM, _sync, output_vocab_size, ratio
 
 CONVENTIONS = {
     "alpha": "mean over verified draft positions of beta = sum_x min(p_target, p_draft) = 1 - TV (greedy: argmax match); pooled over requests",
@@ -107,24 +107,20 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den else None
-
-
 def aggregate(records: list[dict], costs: Costs, k: int) -> dict:
     """Pool per-request records (one temperature, or one domain at one temperature) into metrics."""
     total = lambda key: sum(r[key] for r in records)  # noqa: E731
-    alpha = _ratio(total("beta_sum"), total("verified"))
+    alpha = ratio(total("beta_sum"), total("verified"))
     slots = len(records[0]["slot_reached"]) if records else 0
     slot_sum = lambda key, i: sum(r[key][i] for r in records)  # noqa: E731
     buckets = len(BUCKET_NAMES)
     bucket_alpha = {
-        BUCKET_NAMES[b]: _ratio(sum(r["bucket_beta_sum"][b] for r in records), sum(r["bucket_count"][b] for r in records))
+        BUCKET_NAMES[b]: ratio(sum(r["bucket_beta_sum"][b] for r in records), sum(r["bucket_count"][b] for r in records))
         for b in range(buckets)
     }
     per_request_alpha = [r["alpha"] for r in records if r["alpha"] is not None]
     theory = predicted_speedup(alpha, k, costs) if alpha is not None else None
-    observed = _ratio(total("wall_time_vanilla"), total("wall_time_spec"))
+    observed = ratio(total("wall_time_vanilla"), total("wall_time_spec"))
     return {
         "requests": len(records),
         "tokens_generated": total("tokens_generated"),
@@ -132,22 +128,22 @@ def aggregate(records: list[dict], costs: Costs, k: int) -> dict:
         "total_drafted": total("total_drafted"),
         "total_accepted": total("total_accepted"),
         "alpha": alpha,
-        "alpha_empirical": _ratio(total("total_accepted"), total("verified")),
-        "acceptance_rate": _ratio(total("total_accepted"), total("total_drafted")),
-        "tau": _ratio(total("tokens_generated"), total("rounds")),
+        "alpha_empirical": ratio(total("total_accepted"), total("verified")),
+        "acceptance_rate": ratio(total("total_accepted"), total("total_drafted")),
+        "tau": ratio(total("tokens_generated"), total("rounds")),
         "alpha_p50": percentile(per_request_alpha, 50),
         "alpha_p99": percentile(per_request_alpha, 99),
-        "slot_acceptance_conditional": [_ratio(slot_sum("slot_accepted", i), slot_sum("slot_reached", i)) for i in range(slots)],
-        "slot_acceptance_unconditional": [_ratio(slot_sum("slot_accepted", i), slot_sum("slot_rounds", i)) for i in range(slots)],
+        "slot_acceptance_conditional": [ratio(slot_sum("slot_accepted", i), slot_sum("slot_reached", i)) for i in range(slots)],
+        "slot_acceptance_unconditional": [ratio(slot_sum("slot_accepted", i), slot_sum("slot_rounds", i)) for i in range(slots)],
         "alpha_by_position": bucket_alpha,
         "speedup_observed": observed,
         "speedup_theoretical": theory,
-        "observed_over_theoretical": _ratio(observed, theory) if observed and theory else None,
+        "observed_over_theoretical": ratio(observed, theory) if observed and theory else None,
         "optimal_k": optimal_k(alpha, costs) if alpha is not None else None,
         "speedup_theoretical_at_optimal_k": predicted_speedup(alpha, optimal_k(alpha, costs), costs) if alpha is not None else None,
-        "fallback_rate": _ratio(sum(bool(r["fallback_triggered"]) for r in records), len(records)),
-        "tokens_per_s_spec": _ratio(total("tokens_generated"), total("wall_time_spec")),
-        "tokens_per_s_vanilla": _ratio(sum(r["vanilla_tokens"] for r in records), total("wall_time_vanilla")),
+        "fallback_rate": ratio(sum(bool(r["fallback_triggered"]) for r in records), len(records)),
+        "tokens_per_s_spec": ratio(total("tokens_generated"), total("wall_time_spec")),
+        "tokens_per_s_vanilla": ratio(sum(r["vanilla_tokens"] for r in records), total("wall_time_vanilla")),
     }
 
 

@@ -27,6 +27,11 @@ POSITION_BUCKETS = ((0, 10), (10, 50), (50, 100), (100, 200), (200, 500), (500, 
 BUCKET_NAMES = tuple(f"{lo}-{hi - 1}" if hi else f"{lo}+" for lo, hi in POSITION_BUCKETS)
 
 
+def ratio(num: float, den: float) -> float | None:
+    """num / den, or None when nothing was counted (no 0/0 in reports)."""
+    return num / den if den else None
+
+
 def position_bucket(position: int) -> int:
     for index, (lo, hi) in enumerate(POSITION_BUCKETS):
         if hi is None or position < hi:
@@ -129,19 +134,19 @@ class DecodeResult:
 
     @property
     def alpha(self) -> float | None:
-        return self.beta_sum / self.verified if self.verified else None
+        return ratio(self.beta_sum, self.verified)
 
     @property
     def alpha_empirical(self) -> float | None:
-        return self.total_accepted / self.verified if self.verified else None
+        return ratio(self.total_accepted, self.verified)
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.total_accepted / self.total_drafted if self.total_drafted else None
+        return ratio(self.total_accepted, self.total_drafted)
 
     @property
     def tau(self) -> float | None:
-        return self.tokens_generated / self.rounds if self.rounds else None
+        return ratio(self.tokens_generated, self.rounds)
 
 
 def _pick(probs_or_logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
