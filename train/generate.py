@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from train.errors import UserError
 from train.fsutil import atomic_write_json
 from train.models import log
-from train.prompts import Prompt, builtin_prompts, encode_prompt, read_jsonl_prompts
+from train.prompts import Prompt, builtin_prompts, encode_prompt, read_jsonl_prompts, spread
 
 SCHEMA_VERSION = 1
 
@@ -47,7 +47,7 @@ def load_prompts(data) -> list[Prompt]:
         prompts = read_jsonl_prompts(data.path, **columns)
     else:
         prompts = _dataset_prompts(data, columns)
-    return prompts[: data.max_prompts] if data.max_prompts else prompts
+    return spread(prompts, data.max_prompts)  # a capped set still covers every domain
 
 
 def _dataset_prompts(data, columns) -> list[Prompt]:

@@ -99,7 +99,7 @@ class DataSection:
     chat_column: Optional[str] = None
     """A column holding a list of chat messages ({role, content}); used instead of `prompt_column`."""
     max_prompts: Optional[int] = None
-    """Use at most this many prompts (None: all)."""
+    """Use at most this many prompts (None: all), taken round-robin over domains."""
     max_prompt_tokens: int = 512
 
     def __post_init__(self):
