@@ -112,12 +112,12 @@ def evaluate_pair(
     costs = measure_costs(target, draft, encoded[0], k_max=max(8, settings.k))
 
     records = []
+    device = next(target.parameters()).device
     bar = tqdm(total=len(prompts) * len(settings.temperatures), desc="eval requests", unit="req", disable=not progress)
     for t_index, temperature in enumerate(settings.temperatures):
         sampling = Sampling(temperature, settings.top_k, settings.top_p)
         for p_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
             seed = settings.seed * 1_000_003 + t_index * 10_007 + p_index
-            device = next(target.parameters()).device
             common = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=eos, vocab_size=vocab)
             vanilla = vanilla_decode(target, ids, generator=torch.Generator(device).manual_seed(seed), **common)
             spec = speculative_decode(
@@ -130,7 +130,7 @@ def evaluate_pair(
     bar.close()
 
     report = build_report(records, costs, settings, target_name=target_name, draft_name=draft_name,
-                          device=str(next(target.parameters()).device), dtype=str(next(target.parameters()).dtype))
+                          device=str(device), dtype=str(next(target.parameters()).dtype))
     if out_dir is not None:
         write_report(report, records, out_dir, plots=plots)
     return report

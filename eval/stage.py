@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from eval.report import EvalSettings, evaluate_pair, summary_text
@@ -17,8 +18,6 @@ def eval_prompts(recipe):
 
 def run_eval_stage(recipe, target, draft, tokenizer, draft_name: str, run_dir: Path, tag: str = "init") -> dict:
     """Evaluate `draft` into RUN/eval/<tag>/; a finished report (report.json present) is not redone."""
-    import json
-
     out = Path(run_dir) / "eval" / tag
     if (out / "report.json").is_file():
         log(f"eval of '{tag}' already done ({out}/report.json); skipped")

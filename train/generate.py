@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from train.errors import UserError
 from train.fsutil import atomic_write_json
 from train.models import log
-from train.prompts import Prompt, builtin_prompts, encode_prompt, read_jsonl_prompts, spread
+from train.prompts import Prompt, builtin_prompts, encode_prompt, read_jsonl_prompts, row_to_prompt, spread
 
 SCHEMA_VERSION = 1
 
@@ -54,8 +54,6 @@ def _dataset_prompts(data, columns) -> list[Prompt]:
     """CSV / parquet / JSON files, a dataset saved with `save_to_disk`, or a hub dataset id, via `datasets`."""
     import datasets
 
-    from train.prompts import _row_to_prompt
-
     path = str(data.path)
     try:
         if data.source == "files":
@@ -77,7 +75,7 @@ def _dataset_prompts(data, columns) -> list[Prompt]:
     needed = data.chat_column or data.prompt_column
     if needed not in table.column_names:
         raise UserError(f"dataset '{path}' has no column '{needed}' (columns: {', '.join(table.column_names)})")
-    return [_row_to_prompt(row, i, f"dataset '{path}' row {i}", **columns) for i, row in enumerate(table)]
+    return [row_to_prompt(row, i, f"dataset '{path}' row {i}", **columns) for i, row in enumerate(table)]
 
 
 # ---------------------------------------------------------------------------- rows and shards

@@ -33,7 +33,7 @@ def is_held_out(prompt_id: str) -> bool:
     return zlib.crc32(prompt_id.encode()) % HELD_OUT_BUCKETS == 0
 
 
-def _row_to_prompt(row: dict, index: int, where: str, *, prompt_column="prompt", id_column="id",
+def row_to_prompt(row: dict, index: int, where: str, *, prompt_column="prompt", id_column="id",
                    domain_column="domain", chat_column=None) -> Prompt:
     messages = None
     if chat_column:
@@ -66,7 +66,7 @@ def read_jsonl_prompts(path: str | Path, **columns) -> list[Prompt]:
             raise UserError(f"prompt file '{path}' line {number}: not valid JSON ({err.msg})") from None
         if not isinstance(row, dict):
             raise UserError(f"prompt file '{path}' line {number}: expected a JSON object")
-        prompts.append(_row_to_prompt(row, len(prompts), f"prompt file '{path}' line {number}", **columns))
+        prompts.append(row_to_prompt(row, len(prompts), f"prompt file '{path}' line {number}", **columns))
     if not prompts:
         raise UserError(f"prompt file '{path}' holds no prompts")
     return prompts
