@@ -10,7 +10,6 @@ the union equals a one-process run with the same seed. The manifest is written l
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from train.errors import UserError
-from train.fsutil import atomic_write_json
+from train.fsutil import atomic_path, atomic_write_json
 from train.models import log
 from train.prompts import Prompt, builtin_prompts, encode_prompt, read_jsonl_prompts, row_to_prompt, spread
 
@@ -148,12 +147,8 @@ def write_shard(path: Path, rows: list[Row], results) -> None:
     if results and results[0][2] is not None:
         table["topk_ids"] = [res[2][0] for res in results]
         table["topk_logprobs"] = pa.array([res[2][1] for res in results], type=pa.list_(pa.list_(pa.float16())))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(pa.table(table), tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(pa.table(table), tmp)
 
 
 def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> Path:
