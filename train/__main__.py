@@ -6,6 +6,7 @@ The same command runs on one process or many (`accelerate launch -m train RECIPE
 from __future__ import annotations
 
 import argparse
+import warnings
 
 from train.errors import UserError, cli_main
 from train.recipe import STAGES, load_recipe
@@ -23,6 +24,8 @@ def parse_args(argv=None):
 
 @cli_main
 def main(argv=None):
+    # DeepSpeed calls collectives torch has renamed; the warning repeats on every step and helps no user.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     args = parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
     if args.stages:

@@ -229,8 +229,14 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
         )
 
 
+def num_parameters(model) -> int:
+    """Parameter count, also for ZeRO-3 partitioned models (whose local tensors are empty)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
 def check_model_vocab(model, tokenizer, name: str) -> None:
-    rows = model.get_output_embeddings().weight.shape[0]
+    weight = model.get_output_embeddings().weight
+    rows = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 keeps the full shape in ds_shape
     if rows < len(tokenizer):
         raise UserError(f"model '{name}' has {rows} output rows but its tokenizer has {len(tokenizer)} tokens")
 

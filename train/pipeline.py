@@ -5,11 +5,14 @@ Stages not built yet say so and are skipped; the run directory still gets the re
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import yaml
 
 from train.errors import UserError
 from train.fsutil import atomic_write_text
-from train.models import build_draft, check_model_vocab, load_model, load_tokenizer, log, pick_device
+from train.models import build_draft, check_model_vocab, load_model, load_tokenizer, log, num_parameters
 from train.recipe import Recipe, dump_recipe
 
 IDENTITY_KEYS = ("target", "draft", "data", "generate", "distill", "seed")
@@ -32,38 +35,122 @@ def prepare_run_dir(recipe: Recipe, overwrite: bool = False):
     return run_dir
 
 
-def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
-    from train.dist import distributed_state, wait_for_everyone
+def _wandb_offline_unless_logged_in() -> None:
+    """W&B never blocks on the network: without an API key (env or ~/.netrc) it runs offline."""
+    netrc = Path.home() / ".netrc"
+    logged_in = bool(os.environ.get("WANDB_API_KEY")) or (netrc.is_file() and "api.wandb.ai" in netrc.read_text())
+    if not logged_in and not os.environ.get("WANDB_MODE"):
+        os.environ["WANDB_MODE"] = "offline"
+        log("W&B: no API key found; logging offline into the run directory (wandb sync to upload)")
 
-    state = distributed_state()
-    device = state.device if state.num_processes > 1 else pick_device()
-    log(f"recipe '{recipe.name}': stages {' -> '.join(recipe.stages)}; run directory {recipe.run_dir}; device {device}")
+
+def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
+    from train.distill import make_accelerator, zero_stage
+
+    if recipe.tracking.report_to == "wandb":
+        _wandb_offline_unless_logged_in()
+    accelerator = make_accelerator(recipe)
+    device = accelerator.device
+    log(f"recipe '{recipe.name}': stages {' -> '.join(recipe.stages)}; run directory {recipe.run_dir}; device {device}"
+        + (f"; {accelerator.num_processes} processes" if accelerator.num_processes > 1 else ""))
     tokenizer = load_tokenizer(recipe.target.model, trust_remote_code=recipe.target.trust_remote_code,
                                revision=recipe.target.revision)
     target = load_model(recipe.target.model, dtype=recipe.target.dtype, device=device,
                         trust_remote_code=recipe.target.trust_remote_code, revision=recipe.target.revision)
     check_model_vocab(target, tokenizer, recipe.target.model)
-    draft, draft_name = build_draft(recipe, target, tokenizer)
-    n_target = sum(p.numel() for p in target.parameters())
-    n_draft = sum(p.numel() for p in draft.parameters())
+    if zero_stage(accelerator) == 3 and recipe.draft.init == "layers":
+        raise UserError("recipe key 'draft.init': 'layers' copies the target's weights, which ZeRO-3 partitions; "
+                        "use init: pretrained or config under ZeRO-3")
+    draft, draft_name = build_draft(recipe, target, tokenizer, device=device)
+    n_target, n_draft = num_parameters(target), num_parameters(draft)
     log(f"target {recipe.target.model}: {n_target / 1e6:.1f}M parameters; draft {draft_name}: {n_draft / 1e6:.1f}M parameters")
     if dry_run:
         log("dry run: recipe and model pair are valid; nothing was run")
         return
-    if state.is_main_process:
+    if accelerator.is_main_process:
         prepare_run_dir(recipe, overwrite)
-    wait_for_everyone()
+    accelerator.wait_for_everyone()
     run_dir = recipe.run_dir
-    for stage in recipe.stages:
-        if stage == "generate":
-            from train.generate import run_generate_stage
+    try:
+        for stage in recipe.stages:
+            if stage == "generate":
+                from train.generate import run_generate_stage
 
-            run_generate_stage(recipe, target, tokenizer, run_dir, state)
-        elif stage == "eval":
-            if not state.is_main_process:
-                continue
-            from eval.stage import run_eval_stage
+                if zero_stage(accelerator) == 3 and accelerator.num_processes > 1:
+                    raise UserError("stage 'generate' cannot run under multi-process ZeRO-3 (each process generates "
+                                    "its own shards); run `python -m train RECIPE --stages generate` first, on one "
+                                    "process or with the DDP config, then launch distill under ZeRO-3")
 
-            run_eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir)
-        else:
-            log(f"stage '{stage}' is not built yet in this version; skipped")
+                run_generate_stage(recipe, target, tokenizer, run_dir, accelerator)
+            elif stage == "distill":
+                from train.distill import run_distill_stage
+
+                hook = _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, run_dir)
+                run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir, on_checkpoint=hook)
+            elif stage == "eval":
+                if zero_stage(accelerator) == 3 and accelerator.num_processes > 1:
+                    log("eval: skipped under multi-process ZeRO-3 (the target is partitioned); measure the checkpoints "
+                        "with `python -m train RECIPE --stages eval` on one process")
+                    continue
+                if accelerator.is_main_process:
+                    _eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir)
+                accelerator.wait_for_everyone()
+            else:
+                log(f"stage '{stage}' is not built yet in this version; skipped")
+    finally:
+        accelerator.end_training()
+
+
+def _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, run_dir):
+    """Measure each checkpoint as it is written (main process; the others wait) and log it to the tracker."""
+    from eval.stage import checkpoint_metrics, run_eval_stage, summarize
+    from train.distill import zero_stage
+
+    if "eval" not in recipe.stages:
+        return None
+    if zero_stage(accelerator) == 3 and accelerator.num_processes > 1:
+        log("distill: under ZeRO-3 the target is partitioned, so checkpoints are measured afterwards by "
+            "`python -m train RECIPE --stages eval` on one process")
+        return None
+
+    def hook(step, path, draft):
+        if accelerator.is_main_process:
+            report = run_eval_stage(recipe, target, draft, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name)
+            accelerator.log(checkpoint_metrics(report), step=step)
+            tracker = _wandb_tracker(accelerator)
+            if tracker is not None:
+                plot = report.get("plots", {}).get("acceptance_by_draft_position")
+                if plot:
+                    tracker.log_images({"eval/acceptance_by_draft_position": [str(Path(run_dir) / "eval" / path.name / plot)]},
+                                       step=step)
+            summary = summarize(run_dir)
+            log(f"eval: best so far {summary['best']}")
+        accelerator.wait_for_everyone()
+
+    return hook
+
+
+def _wandb_tracker(accelerator):
+    try:
+        return accelerator.get_tracker("wandb")
+    except (ValueError, KeyError):
+        return None
+
+
+def _eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir):
+    """Measure every checkpoint not yet measured (or the draft as built when there is none); print the summary."""
+    from eval.stage import run_eval_stage, summarize, summary_table
+    from train.distill import list_checkpoints
+
+    checkpoints = list_checkpoints(run_dir)
+    if not checkpoints:
+        run_eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir, tag="init")
+    for _, path in checkpoints:
+        if (Path(run_dir) / "eval" / path.name / "report.json").is_file():
+            continue
+        trained = load_model(str(path), dtype=recipe.target.dtype, device=target.device)
+        run_eval_stage(recipe, target, trained, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name)
+    summary = summarize(run_dir)
+    if summary:
+        print(summary_table(summary))
+        log(f"eval: best checkpoint {summary['best']} (by measured speedup); table in {Path(run_dir) / 'eval' / 'summary.txt'}")

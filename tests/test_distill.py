@@ -1,0 +1,271 @@
+"""Distill stage on tiny models: checkpoints, per-checkpoint eval, W&B offline, exact normalisation,
+resume after SIGKILL, and real 2-process DDP against one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT
+from test_generate import free_port
+
+SECRET = "0123456789abcdef0123456789abcdef01234567"
+
+
+def write_recipe(tmp_path, target_dir, run_dir, stages=("generate", "distill"), tracking="none", eval_=None, **distill):
+    settings = {"losses": {"reverse_kl": 1.0, "sequence_ce": 0.1}, "max_steps": 6, "batch_size": 2, "grad_accum": 2,
+                "checkpoint_every": 3, "lr": 3e-3, "warmup_steps": 1, "loss_chunk_size": 4, **distill}
+    recipe = {"name": "distill", "output_dir": str(run_dir), "seed": 1, "stages": list(stages),
+              "target": {"model": str(target_dir)}, "draft": {"layers": [0]}, "data": {"max_prompts": 16},
+              "generate": {"temperatures": [0.0, 1.0], "max_new_tokens": 12, "batch_size": 8, "topk_logprobs": 8},
+              "distill": settings,
+              "eval": eval_ or {"k": 2, "temperatures": [0.0, 1.0], "max_new_tokens": 10, "num_prompts": 2},
+              "tracking": {"report_to": tracking}}
+    path = tmp_path / f"{run_dir.name}.yaml"
+    path.write_text(json.dumps(recipe))
+    return path
+
+
+def run_train(recipe, *extra, env=None, launcher=()):
+    return subprocess.run([sys.executable, *launcher, "-m", "train", str(recipe), *extra], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=900)
+
+
+def steps_logged(run_dir):
+    return [json.loads(line) for line in (run_dir / "distill" / "log.jsonl").read_text().splitlines()]
+
+
+def weights(run_dir, step):
+    tensors = load_file(str(run_dir / f"checkpoint-{step}" / "model.safetensors"))
+    # Tied head: a plain save stores it once, a DeepSpeed-gathered state dict twice.
+    tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
+    return tensors
+
+
+def assert_weights_close(a, b, atol=2e-5):
+    # Adam divides by sqrt(v): float32 summation-order noise in near-zero gradients shows up at ~1e-6.
+    # A missing gradient sync or a wrong normalisation moves weights by ~lr (1e-3), far above this.
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=1e-4, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory, tiny_target_dir):
+    """A generate stage shared by the runs below (copied into each run directory)."""
+    tmp = tmp_path_factory.mktemp("distill-gen")
+    recipe = write_recipe(tmp, tiny_target_dir, tmp / "gen", stages=("generate",))
+    proc = run_train(recipe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "gen" / "generate"
+
+
+def prepared(tmp_path, generated, name, tiny_target_dir, **kw):
+    run_dir = tmp_path / name
+    shutil.copytree(generated, run_dir / "generate")
+    return run_dir, write_recipe(tmp_path, tiny_target_dir, run_dir, stages=kw.pop("stages", ("distill",)), **kw)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tiny_target_dir):
+    """generate -> distill (checkpoint every 3 steps, each measured) -> eval, with W&B offline and a key in the env."""
+    tmp = tmp_path_factory.mktemp("distill-full")
+    run_dir = tmp / "full"
+    recipe = write_recipe(tmp, tiny_target_dir, run_dir, stages=("generate", "distill", "eval"), tracking="wandb")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_API_KEY=SECRET, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "train", str(recipe)], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc
+
+
+def test_checkpoints_hold_a_loadable_draft_and_the_training_state(full_run):
+    from transformers import AutoModelForCausalLM
+
+    run_dir, proc = full_run
+    assert [p.name for p in sorted(run_dir.glob("checkpoint-*"))] == ["checkpoint-3", "checkpoint-6"]
+    assert not list(run_dir.glob(".checkpoint-*"))  # no temporary directory left behind
+    ckpt = run_dir / "checkpoint-6"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "recipe.yaml", "trainer_state.json",
+                 "state/optimizer.bin", "state/random_states_0.pkl"):
+        assert (ckpt / name).is_file(), name
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["global_batch"] == 4 and state["examples_seen"] == 24
+    assert state["scheduler"]["last_epoch"] == 6
+    draft = AutoModelForCausalLM.from_pretrained(ckpt)  # plain transformers, no project code
+    assert draft.config.num_hidden_layers == 1
+    log = steps_logged(run_dir)
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    assert all(r["train/loss"] > 0 and r["train/tokens"] > 0 for r in log)
+    assert log[0]["train/lr"] < log[1]["train/lr"]  # warm-up
+
+
+def test_every_checkpoint_is_measured_and_the_best_is_chosen_by_speedup(full_run):
+    from eval.stage import score
+
+    run_dir, proc = full_run
+    summary = json.loads((run_dir / "eval" / "summary.json").read_text())
+    assert [e["tag"] for e in summary["checkpoints"]] == ["checkpoint-3", "checkpoint-6"]
+    reports = {t: json.loads((run_dir / "eval" / t / "report.json").read_text()) for t in ("checkpoint-3", "checkpoint-6")}
+    for report in reports.values():
+        assert set(report["by_temperature"]) == {"0.0", "1.0"}
+        assert report["by_temperature"]["0.0"]["speedup_observed"] > 0
+        assert report["greedy_identical_to_vanilla"] == 1.0
+    best = max(reports, key=lambda t: score(reports[t]))
+    assert summary["best"] == best
+    assert "best" in proc.stdout and "checkpoint-6" in proc.stdout  # the summary table is printed
+
+
+def test_wandb_offline_run_holds_the_measured_alpha_and_no_secret(full_run):
+    run_dir, _ = full_run
+    (wandb_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(wandb_file)],
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:  # older wandb CLIs: fall back to the entry point next to the interpreter
+        out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "wandb"), "leet", "inspect", "--json",
+                              str(wandb_file)], capture_output=True, text=True, timeout=120)
+    history = [json.loads(line)["history"]["item"] for line in out.stdout.splitlines() if '"type":"history"' in line]
+    report = json.loads((run_dir / "eval" / "checkpoint-6" / "report.json").read_text())
+    logged = [h for h in history if "eval/alpha@T=0.0" in h]
+    assert len(logged) == 2
+    assert logged[-1]["eval/alpha@T=0.0"] == pytest.approx(report["by_temperature"]["0.0"]["alpha"])
+    assert any("eval/acceptance_by_draft_position.filenames" in h for h in history)
+    assert any("train/reverse_kl" in h and "train/tokens_per_s" in h for h in history)
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), f"the W&B key was written to {path}"
+
+
+def test_accumulation_gives_the_same_training_as_a_bigger_batch(tmp_path, generated, tiny_target_dir):
+    a_dir, a = prepared(tmp_path, generated, "accum", tiny_target_dir, batch_size=2, grad_accum=2)
+    b_dir, b = prepared(tmp_path, generated, "batch", tiny_target_dir, batch_size=4, grad_accum=1)
+    for recipe in (a, b):
+        proc = run_train(recipe)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    la, lb = steps_logged(a_dir), steps_logged(b_dir)
+    assert [r["train/tokens"] for r in la] == [r["train/tokens"] for r in lb]
+    for ra, rb in zip(la, lb):
+        assert ra["train/loss"] == pytest.approx(rb["train/loss"], rel=1e-5)
+    assert_weights_close(weights(a_dir, 6), weights(b_dir, 6))
+
+
+def test_two_ddp_processes_match_one_process(tmp_path, generated, tiny_target_dir):
+    one_dir, one = prepared(tmp_path, generated, "one", tiny_target_dir, batch_size=2, grad_accum=2)
+    two_dir, two = prepared(tmp_path, generated, "two", tiny_target_dir, batch_size=1, grad_accum=2)
+    assert run_train(one).returncode == 0
+    launcher = ("-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/ddp.yaml"),
+                "--num_processes", "2", "--main_process_port", str(free_port()))
+    proc = run_train(two, launcher=launcher, env={"ACCELERATE_USE_CPU": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 x 2 accumulation x 2 processes" in proc.stderr  # 2 processes really ran, as one group
+    state = json.loads((two_dir / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["processes"] == 2 and (two_dir / "checkpoint-6" / "state" / "random_states_1.pkl").is_file()
+    for r1, r2 in zip(steps_logged(one_dir), steps_logged(two_dir)):
+        assert r1["train/loss"] == pytest.approx(r2["train/loss"], rel=1e-5)
+    # Without a gradient all-reduce, rank 0 would train on half the batch: weights off by ~lr, far above this.
+    assert_weights_close(weights(one_dir, 6), weights(two_dir, 6))
+    # The same run resumed from its mid checkpoint by one process gives the same end (global batch kept).
+    shutil.rmtree(two_dir / "checkpoint-6")
+    (two_dir / "distill" / "done.json").unlink()
+    resumed = run_train(write_recipe(tmp_path, tiny_target_dir, two_dir, stages=("distill",), batch_size=2, grad_accum=2),
+                        "--overwrite")  # the recipe's batch split changed; the global batch did not
+    assert resumed.returncode == 0 and "resuming from" in resumed.stderr
+    assert_weights_close(weights(one_dir, 6), weights(two_dir, 6))
+
+
+def test_resume_after_sigkill_ends_with_the_uninterrupted_weights(tmp_path, generated, tiny_target_dir):
+    kw = dict(max_steps=8, checkpoint_every=2)
+    whole_dir, whole = prepared(tmp_path, generated, "whole", tiny_target_dir, **kw)
+    assert run_train(whole).returncode == 0
+    run_dir, recipe = prepared(tmp_path, generated, "killed", tiny_target_dir, **kw)
+    proc = subprocess.Popen([sys.executable, "-m", "train", str(recipe)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run_dir / "checkpoint-4").is_dir():
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "checkpoint-8").exists(), "the kill should land mid-run"
+    resumed = run_train(recipe)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr
+    assert [r["step"] for r in steps_logged(run_dir)] == list(range(1, 9))
+    for r1, r2 in zip(steps_logged(whole_dir), steps_logged(run_dir)):
+        assert r1["train/loss"] == pytest.approx(r2["train/loss"], rel=1e-5)
+    assert_weights_close(weights(whole_dir, 8), weights(run_dir, 8))
+    again = run_train(recipe)
+    assert again.returncode == 0 and "already finished" in again.stderr
+
+
+def test_cached_signal_and_on_policy_runs(tmp_path, generated, tiny_target_dir):
+    cached_dir, cached = prepared(tmp_path, generated, "cached", tiny_target_dir, target_signal="cached", max_steps=2,
+                                  checkpoint_every=2)
+    proc = run_train(cached)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "target signal cached" in proc.stderr
+    policy_dir, policy = prepared(tmp_path, generated, "policy", tiny_target_dir, on_policy_lambda=1.0, max_steps=2,
+                                  checkpoint_every=2)
+    proc = run_train(policy)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = steps_logged(policy_dir)
+    assert all(r["train/on_policy"] == 1.0 and "train/sequence_ce" not in r for r in log)
+
+
+def test_cached_target_logits_are_distributions_with_the_stored_top_k():
+    from train.distill import Example, cached_target_logits, collate
+
+    vocab, k = 50, 4
+    ex = Example(ids=[5, 6, 7, 8, 9], start=2, row=0)
+    batch = collate([ex], pad_id=0)
+    ids = [[1, 2, 3, 4], [4, 3, 2, 1], [9, 8, 7, 6]]
+    lp = torch.log_softmax(torch.randn(3, 10), -1).topk(k, dim=-1).values.tolist()
+    out = cached_target_logits(batch, [ids], [lp], vocab, torch.float32)  # (1, 4, V)
+    assert out.shape == (1, 4, vocab)
+    rows = out[0, 1:4]  # positions 1..3 predict completion tokens 7, 8, 9
+    torch.testing.assert_close(rows.exp().sum(-1), torch.ones(3))
+    for j in range(3):
+        torch.testing.assert_close(rows[j, ids[j]], torch.tensor(lp[j]))
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 1]]
+
+
+def test_data_order_covers_every_example_once_per_epoch():
+    from train.distill import step_indices
+
+    seen = [i for s in range(5) for i in step_indices(10, s, 4, seed=0)]  # 20 = two epochs
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
+    assert step_indices(10, 3, 4, seed=0) == step_indices(10, 3, 4, seed=0)
+    assert step_indices(10, 0, 4, seed=0) != step_indices(10, 0, 4, seed=1)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_two_processes_match_one_process(stage, tmp_path, generated, tiny_target_dir, tiny_draft_dir):
+    """ZeRO-2 and ZeRO-3 (target partitioned too) with 2 CPU processes against one plain process.
+
+    The draft is loaded from disk: ZeRO-3 initialises fresh weights partitioned, with other random draws.
+    """
+    draft = {"init": "pretrained", "model": str(tiny_draft_dir)}
+    one_dir, one = prepared(tmp_path, generated, "one", tiny_target_dir, batch_size=2, grad_accum=2)
+    two_dir, two = prepared(tmp_path, generated, "two", tiny_target_dir, batch_size=1, grad_accum=2)
+    for path in (one, two):
+        recipe = json.loads(path.read_text())
+        path.write_text(json.dumps({**recipe, "draft": draft}))
+    assert run_train(one).returncode == 0
+    launcher = ("-m", "accelerate.commands.launch", "--config_file", str(ROOT / f"recipes/accelerate/zero{stage}.yaml"),
+                "--num_processes", "2", "--main_process_port", str(free_port()))
+    proc = run_train(two, launcher=launcher, env={"DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"1 x 2 accumulation x 2 processes" in proc.stderr and f"DeepSpeed ZeRO-{stage}" in proc.stderr
+    assert (two_dir / "checkpoint-6" / "state" / "random_states_1.pkl").is_file()
+    for r1, r2 in zip(steps_logged(one_dir), steps_logged(two_dir)):
+        assert r1["train/loss"] == pytest.approx(r2["train/loss"], rel=1e-5)
+    assert_weights_close(weights(one_dir, 6), weights(two_dir, 6))

@@ -1,0 +1,502 @@
+"""The distill stage: the draft learns the target's distribution, on one process or many (accelerate launch).
+
+One loop, written out in `run_distill_stage`: target forward under no_grad (or the cached top-k
+log-probs from generate), draft forward, weighted sum of losses, `accelerator.backward`, clip, step,
+log, checkpoint, measure. accelerate is the only wrapper: DDP, DeepSpeed ZeRO-2 and ZeRO-3 come from
+the launch config.
+
+Normalisation: every loss term is a sum over the completion tokens of the global batch (all
+micro-batches of the optimizer step on all processes) divided by that global token count, so the
+loss and the gradient do not depend on how the batch is split over accumulation and processes.
+Data order is fixed by the seed: optimizer step s takes examples [s*G, (s+1)*G) of a per-epoch
+permutation, G = batch_size * grad_accum * processes; process r, micro-batch a takes slice a*P + r.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from train import losses as L
+from train.errors import UserError
+from train.fsutil import atomic_write_json, atomic_write_text
+from train.models import log
+from train.recipe import dump_recipe
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+STATE_FILE = "trainer_state.json"
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    """prompt + completion token ids, truncated to max_seq_len."""
+    start: int
+    """index of the first completion token in `ids`."""
+    row: int
+    """row of the generated dataset (for the cached top-k log-probs)."""
+
+
+def build_examples(dataset, max_seq_len: int) -> list[Example]:
+    """Generated rows as training examples; rows whose prompt leaves no room for a completion are dropped."""
+    examples, dropped = [], 0
+    for i, (prompt, completion) in enumerate(zip(dataset["prompt_ids"], dataset["completion_ids"])):
+        if not completion or len(prompt) >= max_seq_len:
+            dropped += 1
+            continue
+        examples.append(Example(ids=(list(prompt) + list(completion))[:max_seq_len], start=len(prompt), row=i))
+    if dropped:
+        log(f"distill: {dropped} of {len(dataset)} generated rows dropped (empty completion or prompt >= max_seq_len)")
+    if not examples:
+        raise UserError("distill: no usable training rows (every prompt is longer than distill.max_seq_len?)")
+    return examples
+
+
+def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def step_indices(n: int, step: int, global_batch: int, seed: int) -> list[int]:
+    """The example indices of optimizer step `step` (0-based), continuing over epochs."""
+    out, position = [], step * global_batch
+    while len(out) < global_batch:
+        epoch, offset = divmod(position, n)
+        take = min(global_batch - len(out), n - offset)
+        out.extend(epoch_order(n, epoch, seed)[offset:offset + take])
+        position += take
+    return out
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, L) right-padded
+    attention_mask: torch.Tensor  # (B, L)
+    loss_mask: torch.Tensor  # (B, L-1): position t predicts input_ids[:, t+1], a completion token
+    examples: list[Example]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def collate(examples: list[Example], pad_id: int) -> Batch:
+    width = max(len(e.ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(examples), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), width - 1), dtype=torch.float32)
+    for i, e in enumerate(examples):
+        input_ids[i, :len(e.ids)] = torch.tensor(e.ids)
+        attention[i, :len(e.ids)] = 1
+        loss_mask[i, e.start - 1:len(e.ids) - 1] = 1
+    return Batch(input_ids, attention, loss_mask, examples)
+
+
+def cached_target_logits(batch: Batch, topk_ids, topk_logprobs, vocab: int, dtype) -> torch.Tensor:
+    """Target log-probs (B, L-1, V) rebuilt from the generate stage's top-k.
+
+    The top-k entries keep their log-probs; the tail mass 1 - sum(top-k) is spread uniformly over the
+    other V - k tokens (so each position is a proper distribution). Positions outside the loss mask
+    are left at 0 (uniform) and never count. These are log-probs at temperature 1; the losses divide
+    them by the training temperature, which gives p^(1/T) renormalised, the tempered distribution.
+    """
+    B, L = batch.loss_mask.shape
+    out = torch.zeros((B, L, vocab), dtype=torch.float32)
+    for i, e in enumerate(batch.examples):
+        ids = torch.tensor(topk_ids[e.row], dtype=torch.long)  # (n, k)
+        lp = torch.tensor(topk_logprobs[e.row], dtype=torch.float32)  # (n, k)
+        n = min(ids.shape[0], len(e.ids) - e.start)
+        ids, lp = ids[:n], lp[:n]
+        tail = (1 - lp.exp().sum(-1)).clamp_min(1e-8) / max(vocab - ids.shape[1], 1)  # (n,)
+        rows = tail.log()[:, None].expand(n, vocab).clone()
+        rows.scatter_(1, ids, lp)
+        out[i, e.start - 1:e.start - 1 + n] = rows
+    return out.to(dtype)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (the directory name appears only after the rename), oldest first."""
+    found = []
+    for path in Path(run_dir).glob("checkpoint-*"):
+        m = CHECKPOINT_RE.match(path.name)
+        if m and path.is_dir():
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from, or None when it looks whole."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as err:
+        return f"{STATE_FILE} unreadable ({err.__class__.__name__})"
+    for name in state.get("files", {}):
+        f = path / name
+        if not f.exists():
+            return f"{name} missing"
+        if f.is_file() and f.stat().st_size != state["files"][name]:
+            return f"{name} has {f.stat().st_size} bytes, expected {state['files'][name]}"
+    if (path / "model.safetensors").is_file():
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path / "model.safetensors"), framework="pt") as fh:
+                fh.keys()
+        except Exception as err:  # noqa: BLE001 - any parse failure means damaged
+            return f"model.safetensors unreadable ({err.__class__.__name__})"
+    return None
+
+
+def latest_good_checkpoint(run_dir: Path):
+    """(step, path) of the newest checkpoint that passes `checkpoint_problem`; damaged ones are named and skipped."""
+    for step, path in reversed(list_checkpoints(run_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return step, path
+        log(f"distill: checkpoint {path} is damaged ({problem}); not resuming from it, trying the previous one")
+    return None
+
+
+def _file_sizes(directory: Path) -> dict[str, int]:
+    return {p.relative_to(directory).as_posix(): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+# ---------------------------------------------------------------------------- schedule and accelerate setup
+
+
+def lr_lambda(warmup: int, total: int, floor: float = 0.1):
+    """Linear warm-up, then cosine decay to `floor` of the peak learning rate."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(total - warmup, 1)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return f
+
+
+def mixed_precision(setting: str) -> str:
+    if setting != "auto":
+        return setting
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def make_accelerator(recipe):
+    """The run's Accelerator (DDP or DeepSpeed from the launch config), created before any model is loaded
+    so that a ZeRO-3 config partitions the models as they load."""
+    from accelerate import Accelerator
+
+    from train.dist import distributed_state
+
+    distributed_state()  # gloo + MULTI_CPU on a machine without CUDA
+    section = recipe.distill
+    log_with = "wandb" if recipe.tracking.report_to == "wandb" else None
+    accelerator = Accelerator(mixed_precision=mixed_precision(section.mixed_precision),
+                              gradient_accumulation_steps=section.grad_accum, log_with=log_with,
+                              project_dir=str(recipe.run_dir))
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        # No dataloader is prepared, so the "auto" batch values are filled here from the recipe.
+        config = plugin.deepspeed_config
+        config["train_micro_batch_size_per_gpu"] = section.batch_size
+        config["gradient_accumulation_steps"] = section.grad_accum
+        config["train_batch_size"] = section.batch_size * section.grad_accum * accelerator.num_processes
+        config["gradient_clipping"] = section.max_grad_norm
+    return accelerator
+
+
+def zero_stage(accelerator) -> int:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return int(plugin.zero_stage) if plugin is not None else -1
+
+
+def prepare_target(accelerator, target):
+    """The frozen target: under ZeRO-3 a second DeepSpeed engine (inference only) so its weights stay
+    partitioned across processes; otherwise the model itself on this process's device."""
+    target.eval()
+    target.requires_grad_(False)
+    if zero_stage(accelerator) != 3:
+        return target.to(accelerator.device)
+    import deepspeed
+
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    config = {
+        "train_micro_batch_size_per_gpu": ds["train_micro_batch_size_per_gpu"],
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e4},
+        "bf16": {"enabled": accelerator.mixed_precision == "bf16"},
+        "fp16": {"enabled": accelerator.mixed_precision == "fp16"},
+    }
+    engine, *_ = deepspeed.initialize(model=target, config=config)
+    engine.eval()
+    return engine
+
+
+# ---------------------------------------------------------------------------- the loop
+
+
+def _model_logits(model, batch: Batch, device) -> torch.Tensor:
+    out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
+    return out.logits[:, :-1]  # (B, L-1, V): position t predicts token t+1
+
+
+def loss_terms(recipe, draft_logits, target_logits, batch: Batch, on_policy: bool) -> dict[str, torch.Tensor]:
+    """Each weighted loss as a sum over this micro-batch's completion tokens (normalised later, globally)."""
+    section = recipe.distill
+    mask = batch.loss_mask.to(draft_logits.device)
+    terms = {}
+    for name, weight in section.losses.items():
+        if name == "sequence_ce":
+            if on_policy:
+                continue  # draft-written tokens are not targets; on-policy batches learn from the divergences only
+            labels = batch.input_ids[:, 1:].to(draft_logits.device)
+            value = L.sequence_ce(draft_logits, labels, mask, reduction="sum", chunk_size=section.loss_chunk_size)
+        else:
+            kwargs = {"beta": section.jsd_beta} if name == "jsd" else {}
+            value = L.DIVERGENCES[name](draft_logits, target_logits, mask, temperature=section.temperature,
+                                        reduction="sum", chunk_size=section.loss_chunk_size, **kwargs)
+        terms[name] = weight * value
+    return terms
+
+
+@torch.no_grad()
+def on_policy_batch(draft, batch: Batch, tokenizer, max_new_tokens: int, temperature: float, seed: int,
+                    synced_gpus: bool) -> Batch:
+    """The same prompts, completed by the current draft (sampled at the training temperature)."""
+    pad = tokenizer.pad_token_id
+    prompts = [e.ids[:e.start] for e in batch.examples]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p):] = torch.tensor(p)
+        attention[i, width - len(p):] = 1
+    device = next(draft.parameters()).device
+    was_training = draft.training
+    draft.eval()
+    torch.manual_seed(seed)
+    out = draft.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), do_sample=True,
+                         temperature=temperature, top_k=None, top_p=None, max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, eos_token_id=tokenizer.eos_token_id, synced_gpus=synced_gpus)
+    draft.train(was_training)
+    examples = []
+    for i, e in enumerate(batch.examples):
+        completion = out[i, width:].tolist()
+        if tokenizer.eos_token_id in completion:
+            completion = completion[: completion.index(tokenizer.eos_token_id) + 1]
+        completion = completion or [tokenizer.eos_token_id]
+        examples.append(Example(ids=prompts[i] + completion, start=e.start, row=e.row))
+    return collate(examples, pad)
+
+
+def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Path, on_checkpoint=None):
+    """Train the draft; write `checkpoint-STEP/` every `checkpoint_every` steps and at the end.
+
+    `on_checkpoint(step, path, draft)` runs on every process after each checkpoint is complete (the eval
+    hook; it decides itself which process measures). Returns the list of (step, path) checkpoints.
+    """
+    from train.generate import load_generated
+
+    section = recipe.distill
+    run_dir = Path(run_dir)
+    done_marker = run_dir / "distill" / "done.json"
+    if done_marker.is_file():
+        log(f"distill: already finished ({done_marker}); skipped")
+        return list_checkpoints(run_dir)
+    if not (run_dir / "generate" / "manifest.json").is_file():
+        raise UserError(f"distill: no generated data in {run_dir / 'generate'}; run the generate stage first")
+    dataset = load_generated(run_dir)
+    if section.target_signal == "cached" and "topk_ids" not in dataset.column_names:
+        raise UserError("recipe key 'distill.target_signal': 'cached' needs generate.topk_logprobs > 0 "
+                        "(the generated data holds no top-k log-probs)")
+    examples = build_examples(dataset, section.max_seq_len)
+    topk_ids = dataset["topk_ids"] if section.target_signal == "cached" else None
+    topk_lp = dataset["topk_logprobs"] if section.target_signal == "cached" else None
+    world, rank = accelerator.num_processes, accelerator.process_index
+    global_batch = section.batch_size * section.grad_accum * world
+    vocab = draft.config.vocab_size
+
+    torch.manual_seed(recipe.seed)
+    if any(p.dtype != torch.float32 for p in draft.parameters()):
+        # Master weights in float32; bf16 on GPU comes from autocast (mixed_precision), not from the weights.
+        draft.float()
+    draft.train()
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=section.lr,
+                                  weight_decay=section.weight_decay, betas=(0.9, 0.95))
+    # The schedule is stepped by hand once per optimizer step (accelerate's prepared scheduler steps
+    # once per process, which would make the schedule depend on the world size).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(section.warmup_steps, section.max_steps))
+    draft, optimizer = accelerator.prepare(draft, optimizer)
+    target = prepare_target(accelerator, target) if (section.target_signal == "online" or section.on_policy_lambda > 0) else None
+    stage = zero_stage(accelerator)
+    device = accelerator.device
+
+    start_step = 0
+    resume = latest_good_checkpoint(run_dir)
+    if resume is not None:
+        step0, path = resume
+        state = json.loads((path / STATE_FILE).read_text())
+        if state["global_batch"] != global_batch:
+            raise UserError(f"distill: {path} was written with a global batch of {state['global_batch']} "
+                            f"sequences, this launch has {global_batch}; resume with the same batch_size x "
+                            "grad_accum x processes or start a new output_dir")
+        accelerator.load_state(str(path / "state"))
+        scheduler.load_state_dict(state["scheduler"])
+        start_step = step0
+        log(f"distill: resuming from {path} (step {step0} of {section.max_steps})")
+
+    if recipe.tracking.report_to == "wandb":
+        accelerator.init_trackers(recipe.tracking.project, config=recipe.to_dict(),
+                                  init_kwargs={"wandb": {"name": recipe.tracking.run_name or recipe.name,
+                                                         "dir": str(run_dir)}})
+    log(f"distill: {len(examples)} examples, global batch {global_batch} sequences "
+        f"({section.batch_size} x {section.grad_accum} accumulation x {world} processes), steps {start_step}->{section.max_steps}, "
+        f"losses {section.losses}, target signal {section.target_signal}, on-policy lambda {section.on_policy_lambda}, "
+        f"precision {accelerator.mixed_precision}" + (f", DeepSpeed ZeRO-{stage}" if stage >= 0 else ""))
+
+    log_path = run_dir / "distill" / "log.jsonl"  # one JSON line of metrics per optimizer step
+    if accelerator.is_main_process:
+        _truncate_log(log_path, start_step)
+    checkpoints = list_checkpoints(run_dir)
+    bar = tqdm(total=section.max_steps, initial=start_step, desc="distill", unit="step",
+               disable=not accelerator.is_main_process)
+    for step in range(start_step, section.max_steps):
+        t0 = time.perf_counter()
+        indices = step_indices(len(examples), step, global_batch, recipe.seed)
+        micro = []
+        for a in range(section.grad_accum):
+            lo = (a * world + rank) * section.batch_size
+            micro.append(collate([examples[i] for i in indices[lo:lo + section.batch_size]], tokenizer.pad_token_id))
+        # Same draw on every process: a whole optimizer step is on-policy or not.
+        gen = torch.Generator().manual_seed(recipe.seed * 7_919 + step)
+        on_policy = section.on_policy_lambda > 0 and torch.rand((), generator=gen).item() < section.on_policy_lambda
+        if on_policy:
+            unwrapped = accelerator.unwrap_model(draft)
+            micro = [on_policy_batch(unwrapped, b, tokenizer, recipe.generate.max_new_tokens, section.temperature,
+                                     seed=recipe.seed * 1_000_003 + step * 131 + a * 7 + rank,
+                                     synced_gpus=stage == 3 and world > 1) for a, b in enumerate(micro)]
+        local_tokens = torch.tensor(float(sum(b.tokens for b in micro)), device=device)
+        global_tokens = accelerator.reduce(local_tokens, "sum").item()
+        # accelerate divides by grad_accum, DDP/DeepSpeed average over processes: undo both so the
+        # gradient is sum(all tokens) / global_tokens.
+        scale = section.grad_accum * world / max(global_tokens, 1.0)
+        sums = {}
+        for b in micro:
+            with accelerator.accumulate(draft):
+                with accelerator.autocast():
+                    draft_logits = _model_logits(draft, b, device)
+                if on_policy or section.target_signal == "online":
+                    with torch.no_grad():
+                        target_logits = _model_logits(target, b, device)
+                else:
+                    target_logits = cached_target_logits(b, topk_ids, topk_lp, vocab, draft_logits.dtype).to(device)
+                terms = loss_terms(recipe, draft_logits, target_logits, b, on_policy)
+                accelerator.backward(sum(terms.values()) * scale)
+                for name, value in terms.items():
+                    sums[name] = sums.get(name, 0.0) + value.detach().float()
+        names = sorted(sums)
+        totals = accelerator.reduce(torch.stack([sums[n] for n in names]).to(device), "sum") / max(global_tokens, 1.0)
+        loss_value = totals.sum().item()
+        if not math.isfinite(loss_value):
+            last = checkpoints[-1][1] if checkpoints else None
+            raise UserError(f"distill: loss is {loss_value} at step {step + 1}; stopped. "
+                            + (f"Last good checkpoint: {last}" if last else "No checkpoint was written yet"))
+        grad_norm = accelerator.clip_grad_norm_(draft.parameters(), section.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]  # the rate this step uses
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+        metrics = {"train/loss": loss_value, "train/lr": lr,
+                   "train/tokens_per_s": global_tokens / elapsed, "train/tokens": global_tokens,
+                   "train/on_policy": float(on_policy)}
+        metrics.update({f"train/{n}": v.item() for n, v in zip(names, totals)})
+        if grad_norm is not None:
+            metrics["train/grad_norm"] = float(grad_norm)
+        accelerator.log(metrics, step=step + 1)
+        if accelerator.is_main_process:
+            with log_path.open("a") as fh:
+                fh.write(json.dumps({"step": step + 1, **metrics}) + "\n")
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{global_tokens / elapsed:.0f}")
+
+        if (step + 1) % section.checkpoint_every == 0 or step + 1 == section.max_steps:
+            path = save_checkpoint(recipe, accelerator, draft, scheduler, tokenizer, run_dir, step + 1, global_batch)
+            checkpoints = list_checkpoints(run_dir)
+            if on_checkpoint is not None:
+                on_checkpoint(step + 1, path, accelerator.unwrap_model(draft))
+            prune_checkpoints(accelerator, run_dir, section.keep_checkpoints)
+            checkpoints = list_checkpoints(run_dir)
+    bar.close()
+    if accelerator.is_main_process:
+        atomic_write_json(done_marker, {"steps": section.max_steps, "checkpoints": [p.name for _, p in checkpoints]})
+    accelerator.wait_for_everyone()
+    return checkpoints
+
+
+def _truncate_log(path: Path, last_step: int) -> None:
+    """Keep the log lines of steps up to `last_step` (a resumed run rewrites the steps after its checkpoint)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = path.read_text().splitlines() if path.is_file() else []
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError):
+            break  # a torn last line from a kill
+    atomic_write_text(path, "".join(kept))
+
+
+def save_checkpoint(recipe, accelerator, draft, scheduler, tokenizer, run_dir: Path, step: int, global_batch: int) -> Path:
+    """Write `checkpoint-STEP/` atomically: everything goes into a hidden temporary directory that is
+    renamed once complete. It holds the draft as a plain Hugging Face model (config, safetensors,
+    tokenizer), the accelerate state (optimizer, RNG; DeepSpeed shards under ZeRO), the schedule and
+    data position (trainer_state.json, written last) and the resolved recipe."""
+    final = run_dir / f"checkpoint-{step}"
+    tmp = run_dir / f".checkpoint-{step}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp / "state"), safe_serialization=True)
+    state_dict = accelerator.get_state_dict(draft)  # gathered from every process under ZeRO-3
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(draft)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        atomic_write_text(tmp / "recipe.yaml", dump_recipe(recipe))
+        state = {"step": step, "global_batch": global_batch, "examples_seen": step * global_batch,
+                 "scheduler": scheduler.state_dict(), "processes": accelerator.num_processes}
+        state["files"] = _file_sizes(tmp)
+        atomic_write_json(tmp / STATE_FILE, state)
+        if final.exists():  # a checkpoint of a killed earlier run at the same step: replaced whole
+            shutil.rmtree(final)
+        tmp.rename(final)
+        log(f"distill: step {step}: checkpoint written to {final}")
+    accelerator.wait_for_everyone()
+    return final
+
+
+def prune_checkpoints(accelerator, run_dir: Path, keep: int) -> None:
+    if keep <= 0 or not accelerator.is_main_process:
+        accelerator.wait_for_everyone()
+        return
+    for _, path in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(path)
+        log(f"distill: removed {path} (keep_checkpoints={keep}); its eval report stays in eval/{path.name}/")
+    accelerator.wait_for_everyone()
