@@ -185,6 +185,31 @@ def format_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows])
+
+
+def temperature_rows(report: dict) -> tuple[list[str], list[list]]:
+    headers = ["T", "alpha", "alpha_emp", "acc_rate", "tau", "speedup_obs", "speedup_theo", "opt_k", "fallback", "P50 a", "P99 a"]
+    rows = [
+        [float(t), a["alpha"], a["alpha_empirical"], a["acceptance_rate"], a["tau"], a["speedup_observed"],
+         a["speedup_theoretical"], a["optimal_k"], a["fallback_rate"], a["alpha_p50"], a["alpha_p99"]]
+        for t, a in report["by_temperature"].items()
+    ]
+    return headers, rows
+
+
+def domain_rows(report: dict) -> tuple[list[str], list[list]]:
+    headers = ["T", "domain", "requests", "alpha", "tau", "speedup_obs", "speedup_theo"]
+    rows = [
+        [float(t), d, a["requests"], a["alpha"], a["tau"], a["speedup_observed"], a["speedup_theoretical"]]
+        for t, domains in report["by_domain"].items()
+        for d, a in domains.items()
+    ]
+    return headers, rows
+
+
 def summary_text(report: dict) -> str:
     costs = report["costs"]
     k = report["settings"]["k"]
@@ -193,22 +218,13 @@ def summary_text(report: dict) -> str:
         f"costs: draft {costs['t_draft_ms']:.1f} ms/token, target {costs['t_target_ms']['1']:.1f} ms (1 token), "
         f"{costs['t_target_ms'][str(k + 1)]:.1f} ms ({k + 1} tokens), c = {costs['c']:.3f}\n"
     )
-    headers = ["T", "alpha", "alpha_emp", "acc_rate", "tau", "speedup_obs", "speedup_theo", "opt_k", "fallback", "P50 a", "P99 a"]
-    rows = [
-        [float(t), a["alpha"], a["alpha_empirical"], a["acceptance_rate"], a["tau"], a["speedup_observed"],
-         a["speedup_theoretical"], a["optimal_k"], a["fallback_rate"], a["alpha_p50"], a["alpha_p99"]]
-        for t, a in report["by_temperature"].items()
-    ]
-    domain_rows = [
-        [float(t), d, a["requests"], a["alpha"], a["tau"], a["speedup_observed"], a["speedup_theoretical"]]
-        for t, domains in report["by_domain"].items()
-        for d, a in domains.items()
-    ]
+    headers, rows = temperature_rows(report)
+    domain_headers, domains = domain_rows(report)
     tail = f"max profitable temperature: {_fmt(report['max_profitable_temperature'])}"
     if report["greedy_identical_to_vanilla"] is not None:
         tail += f"   greedy output identical to vanilla: {100 * report['greedy_identical_to_vanilla']:.0f}% of requests"
     return (
         head + "\n" + format_table(headers, rows) + "\n\n"
-        + format_table(["T", "domain", "requests", "alpha", "tau", "speedup_obs", "speedup_theo"], domain_rows)
+        + format_table(domain_headers, domains)
         + "\n\n" + tail
     )

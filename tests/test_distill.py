@@ -80,7 +80,9 @@ def full_run(tmp_path_factory, tiny_target_dir):
     """generate -> distill (checkpoint every 3 steps, each measured) -> eval, with W&B offline and a key in the env."""
     tmp = tmp_path_factory.mktemp("distill-full")
     run_dir = tmp / "full"
-    recipe = write_recipe(tmp, tiny_target_dir, run_dir, stages=("generate", "distill", "eval"), tracking="wandb")
+    recipe = write_recipe(tmp, tiny_target_dir, run_dir, stages=("generate", "distill", "eval", "export"), tracking="wandb")
+    data = json.loads(recipe.read_text())
+    recipe.write_text(json.dumps({**data, "export": {"wandb_artifact": True}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(WANDB_API_KEY=SECRET, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "train", str(recipe)], cwd=ROOT, capture_output=True, text=True,
@@ -144,6 +146,31 @@ def test_wandb_offline_run_holds_the_measured_alpha_and_no_secret(full_run):
     for path in run_dir.rglob("*"):
         if path.is_file():
             assert SECRET.encode() not in path.read_bytes(), f"the W&B key was written to {path}"
+
+
+def test_export_is_a_plain_transformers_draft_that_assists_generate(full_run, tiny_target_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, proc = full_run
+    export = run_dir / "export"
+    summary = json.loads((run_dir / "eval" / "summary.json").read_text())
+    report = json.loads((run_dir / "eval" / summary["best"] / "report.json").read_text())
+    generation = json.loads((export / "generation_config.json").read_text())
+    assert generation["num_assistant_tokens"] == report["by_temperature"]["0.0"]["optimal_k"]
+    assert generation["num_assistant_tokens_schedule"] == "constant"
+    card = (export / "README.md").read_text()
+    assert summary["best"] in card and "| T | alpha |" in card and "| T | domain |" in card and "```yaml" in card
+    assert (export / "plots" / "acceptance_by_draft_position.png").is_file() and "plots/acceptance_by_draft_position.png" in card
+    assert not list(run_dir.glob(".export*"))
+    draft = AutoModelForCausalLM.from_pretrained(export)  # no project code
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    for text in ("def add(a, b):", "The river", '{"name": '):
+        ids = tokenizer(text, return_tensors="pt")
+        alone = target.generate(**ids, do_sample=False, max_new_tokens=24, pad_token_id=0)
+        assisted = target.generate(**ids, do_sample=False, max_new_tokens=24, pad_token_id=0, assistant_model=draft)
+        assert assisted.tolist() == alone.tolist()
+    assert "logged W&B model artifact" in proc.stderr
 
 
 def test_accumulation_gives_the_same_training_as_a_bigger_batch(tmp_path, generated, tiny_target_dir):

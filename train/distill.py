@@ -254,6 +254,22 @@ def _model_logits(model, batch: Batch, device) -> torch.Tensor:
     return out.logits[:, :-1]  # (B, L-1, V): position t predicts token t+1
 
 
+def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = False, cached=None) -> dict:
+    """Forward both sides of one micro-batch and return the weighted loss sums (see `loss_terms`).
+
+    The target's logits come from its forward pass under no_grad (online, and always for on-policy
+    batches) or from the cached top-k log-probs `cached = (topk_ids, topk_logprobs)`.
+    """
+    draft_logits = _model_logits(draft, batch, device)
+    if on_policy or recipe.distill.target_signal == "online":
+        with torch.no_grad():
+            target_logits = _model_logits(target, batch, device)
+    else:
+        vocab = draft_logits.shape[-1]
+        target_logits = cached_target_logits(batch, *cached, vocab, draft_logits.dtype).to(device)
+    return loss_terms(recipe, draft_logits, target_logits, batch, on_policy)
+
+
 def loss_terms(recipe, draft_logits, target_logits, batch: Batch, on_policy: bool) -> dict[str, torch.Tensor]:
     """Each weighted loss as a sum over this micro-batch's completion tokens (normalised later, globally)."""
     section = recipe.distill
@@ -328,12 +344,14 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
     topk_lp = dataset["topk_logprobs"] if section.target_signal == "cached" else None
     world, rank = accelerator.num_processes, accelerator.process_index
     global_batch = section.batch_size * section.grad_accum * world
-    vocab = draft.config.vocab_size
 
     torch.manual_seed(recipe.seed)
     if any(p.dtype != torch.float32 for p in draft.parameters()):
         # Master weights in float32; bf16 on GPU comes from autocast (mixed_precision), not from the weights.
         draft.float()
+    if section.freeze_embeddings:
+        draft.get_input_embeddings().requires_grad_(False)
+        draft.get_output_embeddings().requires_grad_(False)
     draft.train()
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=section.lr,
                                   weight_decay=section.weight_decay, betas=(0.9, 0.95))
@@ -359,10 +377,6 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
         start_step = step0
         log(f"distill: resuming from {path} (step {step0} of {section.max_steps})")
 
-    if recipe.tracking.report_to == "wandb":
-        accelerator.init_trackers(recipe.tracking.project, config=recipe.to_dict(),
-                                  init_kwargs={"wandb": {"name": recipe.tracking.run_name or recipe.name,
-                                                         "dir": str(run_dir)}})
     log(f"distill: {len(examples)} examples, global batch {global_batch} sequences "
         f"({section.batch_size} x {section.grad_accum} accumulation x {world} processes), steps {start_step}->{section.max_steps}, "
         f"losses {section.losses}, target signal {section.target_signal}, on-policy lambda {section.on_policy_lambda}, "
@@ -398,13 +412,7 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
         for b in micro:
             with accelerator.accumulate(draft):
                 with accelerator.autocast():
-                    draft_logits = _model_logits(draft, b, device)
-                if on_policy or section.target_signal == "online":
-                    with torch.no_grad():
-                        target_logits = _model_logits(target, b, device)
-                else:
-                    target_logits = cached_target_logits(b, topk_ids, topk_lp, vocab, draft_logits.dtype).to(device)
-                terms = loss_terms(recipe, draft_logits, target_logits, b, on_policy)
+                    terms = batch_losses(recipe, draft, target, b, device, on_policy, cached=(topk_ids, topk_lp))
                 accelerator.backward(sum(terms.values()) * scale)
                 for name, value in terms.items():
                     sums[name] = sums.get(name, 0.0) + value.detach().float()

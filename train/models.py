@@ -316,4 +316,11 @@ def build_draft(recipe, target, target_tokenizer, device=None):
     else:
         draft = draft_from_config(target, spec.config, recipe.seed)
         name = f"{recipe.target.model}[config]"
-    return draft.to(device or target.device).eval(), name
+    return draft.to(device or target.device, dtype=serving_dtype(recipe, target)).eval(), name
+
+
+def serving_dtype(recipe, target) -> torch.dtype:
+    """The dtype the draft is measured and exported in: `draft.dtype`, or the target's when `auto`."""
+    if recipe.draft.dtype == "auto":
+        return target.dtype
+    return resolve_dtype(recipe.draft.dtype, target.device)

@@ -1,10 +1,13 @@
 """The recipe's stages in order: generate -> distill -> eval -> export; each skips work already finished.
 
-Stages not built yet say so and are skipped; the run directory still gets the resolved recipe.
+One Accelerator serves every stage (created before any model is loaded, so ZeRO-3 partitions them as
+they load); rerunning the same command after a crash continues where the run stopped.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import yaml
 
 from train.errors import UserError
 from train.fsutil import atomic_write_text
-from train.models import build_draft, check_model_vocab, load_model, load_tokenizer, log, num_parameters
+from train.models import build_draft, check_model_vocab, load_model, load_tokenizer, log, num_parameters, serving_dtype
 from train.recipe import Recipe, dump_recipe
 
 IDENTITY_KEYS = ("target", "draft", "data", "generate", "distill", "seed")
@@ -71,6 +74,8 @@ def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
         prepare_run_dir(recipe, overwrite)
     accelerator.wait_for_everyone()
     run_dir = recipe.run_dir
+    if recipe.tracking.report_to == "wandb":
+        start_tracking(recipe, accelerator, run_dir)
     try:
         for stage in recipe.stages:
             if stage == "generate":
@@ -95,8 +100,14 @@ def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
                 if accelerator.is_main_process:
                     _eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir)
                 accelerator.wait_for_everyone()
-            else:
-                log(f"stage '{stage}' is not built yet in this version; skipped")
+            elif stage == "export":
+                if accelerator.is_main_process:
+                    from train.export import run_export_stage
+
+                    final = run_export_stage(recipe, tokenizer, run_dir, draft=draft, dtype=serving_dtype(recipe, target))
+                    if recipe.export.wandb_artifact:
+                        log_model_artifact(recipe, accelerator, final)
+                accelerator.wait_for_everyone()
     finally:
         accelerator.end_training()
 
@@ -115,7 +126,9 @@ def _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, ru
 
     def hook(step, path, draft):
         if accelerator.is_main_process:
-            report = run_eval_stage(recipe, target, draft, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name)
+            # Measured as it will be served: a copy in the serving dtype (training holds float32 weights).
+            served = copy.deepcopy(draft).to(serving_dtype(recipe, target)).eval()
+            report = run_eval_stage(recipe, target, served, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name)
             accelerator.log(checkpoint_metrics(report), step=step)
             tracker = _wandb_tracker(accelerator)
             if tracker is not None:
@@ -128,6 +141,34 @@ def _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, ru
         accelerator.wait_for_everyone()
 
     return hook
+
+
+def start_tracking(recipe, accelerator, run_dir: Path) -> None:
+    """One W&B run per run directory: its id is kept in RUN/wandb_run_id, so a resumed job appends to it."""
+    id_file = Path(run_dir) / "wandb_run_id"
+    if accelerator.is_main_process and not id_file.is_file():
+        import uuid
+
+        atomic_write_text(id_file, uuid.uuid4().hex[:16])
+    accelerator.wait_for_everyone()
+    accelerator.init_trackers(recipe.tracking.project, config=recipe.to_dict(), init_kwargs={"wandb": {
+        "name": recipe.tracking.run_name or recipe.name, "dir": str(run_dir), "id": id_file.read_text().strip(),
+        "resume": "allow"}})
+
+
+def log_model_artifact(recipe, accelerator, export_dir: Path) -> None:
+    """The exported draft as a W&B model artifact (wandb's own Artifact API)."""
+    tracker = _wandb_tracker(accelerator)
+    if tracker is None:
+        log("export: export.wandb_artifact is set but W&B tracking is off (tracking.report_to: none); no artifact")
+        return
+    import wandb
+
+    artifact = wandb.Artifact(name=f"{recipe.name}-draft", type="model",
+                              metadata=json.loads((export_dir / "specdistill_report.json").read_text())["by_temperature"])
+    artifact.add_dir(str(export_dir))
+    tracker.run.log_artifact(artifact)
+    log(f"export: logged W&B model artifact '{recipe.name}-draft'")
 
 
 def _wandb_tracker(accelerator):
@@ -148,7 +189,7 @@ def _eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir):
     for _, path in checkpoints:
         if (Path(run_dir) / "eval" / path.name / "report.json").is_file():
             continue
-        trained = load_model(str(path), dtype=recipe.target.dtype, device=target.device)
+        trained = load_model(str(path), device=target.device).to(serving_dtype(recipe, target))
         run_eval_stage(recipe, target, trained, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name)
     summary = summarize(run_dir)
     if summary:

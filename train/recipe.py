@@ -74,6 +74,7 @@ class DraftSection:
     config: dict[str, Any] = field(default_factory=dict)
     """For `init: config`: config fields overriding the target's (num_hidden_layers, hidden_size, ...)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The draft's serving dtype (eval, export); `auto`: the target's. Training keeps float32 master weights."""
     trust_remote_code: bool = False
     revision: Optional[str] = None
 
@@ -163,6 +164,9 @@ class DistillSection:
     """Keep at most this many checkpoints (0: keep all)."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """`auto`: bf16 on GPU, none on CPU."""
+    freeze_embeddings: bool = False
+    """Keep the draft's input embeddings and output head fixed (with `init: layers` they are the target's own;
+    training only the layers between them is cheaper and keeps the head aligned with the target's)."""
 
     def __post_init__(self):
         _check(len(self.losses) > 0, "losses", "expected at least one loss")

@@ -1,0 +1,157 @@
+"""Benchmark distillation steps: python scripts/bench_distill.py [--seq-len 512] [--batch-size 1] [--steps 2]
+
+For each loss (forward_kl, reverse_kl, jsd, tvd, sequence_ce), with and without chunking over the
+sequence, and with the online vs the cached (top-k) target signal: training tokens/s and peak memory
+of one optimizer step on the default target (vocabulary 49152) and a draft of its layers, through
+the same `batch_losses` the distill loop runs. Each configuration runs in its own process so that
+peak memory is its own: CUDA max_memory_allocated on a GPU; on CPU the growth of the process's peak
+resident memory (ru_maxrss) over what it held after loading the models and building the batch.
+Prints a table and writes JSON (default runs/bench/bench_distill.json).
+
+Goal (issue 5): chunked peak memory at most half of unchunked at vocabulary 49152 and sequence 512,
+at no more than 10% lower tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd", "sequence_ce")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def one_config(args) -> dict:
+    """Run warm-up + timed steps of one configuration in this process; return its measurements."""
+    from train.distill import Example, batch_losses, collate
+    from train.models import draft_from_layers, load_model
+    from train.recipe import parse_recipe
+
+    torch.manual_seed(0)
+    target = load_model(args.target)
+    device = target.device
+    draft = draft_from_layers(target, args.layers).float().to(device).train()
+    recipe = parse_recipe({"distill": {"losses": {args.loss: 1.0}, "loss_chunk_size": args.chunk,
+                                       "target_signal": args.signal}})
+    vocab = draft.config.vocab_size
+    prompt_len = 32
+    examples, topk_ids, topk_lp = [], [], []
+    for b in range(args.batch_size):
+        ids = torch.randint(0, vocab, (args.seq_len,)).tolist()
+        examples.append(Example(ids=ids, start=prompt_len, row=b))
+        n = args.seq_len - prompt_len
+        topk_ids.append(torch.randint(0, vocab, (n, args.topk)).tolist())
+        topk_lp.append(torch.log_softmax(torch.randn(n, 64), -1).topk(args.topk, -1).values.tolist())
+    batch = collate(examples, pad_id=0)
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-5)
+
+    def step():
+        terms = batch_losses(recipe, draft, target, batch, device, cached=(topk_ids, topk_lp))
+        (sum(terms.values()) / batch.tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # The optimizer state is created by the first step; measure memory from after a warm-up step
+    # so that it counts in the baseline, not in the step's peak.
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = peak_rss_bytes()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = peak_rss_bytes() - base
+    elapsed = time.perf_counter() - start
+    return {"loss": args.loss, "chunk": args.chunk, "signal": args.signal, "device": str(device),
+            "tokens_per_s": batch.tokens * args.steps / elapsed, "step_peak_mib": peak / 2**20,
+            "seconds_per_step": elapsed / args.steps}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--layers", type=int, nargs="+", default=[0, 29])
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--chunk-size", type=int, default=128, help="chunk length of the chunked runs")
+    parser.add_argument("--topk", type=int, default=20, help="cached log-probs per position")
+    parser.add_argument("--losses", default=",".join(LOSSES))
+    parser.add_argument("--signals", default="online,cached")
+    parser.add_argument("--out", default="runs/bench/bench_distill.json")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # internal: one configuration
+    parser.add_argument("--loss", help=argparse.SUPPRESS)
+    parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--signal", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one_config(args)))
+        return
+
+    from eval.report import format_table
+    from train.fsutil import atomic_write_json
+
+    common = ["--target", args.target, "--layers", *map(str, args.layers), "--seq-len", str(args.seq_len),
+              "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--topk", str(args.topk)]
+    results = []
+    for signal in args.signals.split(","):
+        for loss in args.losses.split(","):
+            if loss == "sequence_ce" and signal == "cached":
+                continue  # sequence_ce does not read the target signal
+            for chunk in (0, args.chunk_size):
+                cmd = [sys.executable, __file__, "--one", "--loss", loss, "--chunk", str(chunk), "--signal", signal, *common]
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+                if proc.returncode != 0:
+                    sys.exit(f"bench_distill: {loss}/{signal}/chunk {chunk} failed:\n{proc.stderr[-2000:]}")
+                results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                r = results[-1]
+                print(f"  {signal:6s} {loss:12s} chunk {chunk:4d}: {r['tokens_per_s']:8.1f} tok/s, "
+                      f"step peak {r['step_peak_mib']:8.1f} MiB", file=sys.stderr, flush=True)
+
+    rows, verdicts = [], []
+    for signal in args.signals.split(","):
+        for loss in args.losses.split(","):
+            pair = [r for r in results if r["loss"] == loss and r["signal"] == signal]
+            if len(pair) != 2:
+                continue
+            plain, chunked = sorted(pair, key=lambda r: r["chunk"])
+            mem_ratio = chunked["step_peak_mib"] / plain["step_peak_mib"]
+            speed_ratio = chunked["tokens_per_s"] / plain["tokens_per_s"]
+            ok = mem_ratio <= 0.5 and speed_ratio >= 0.9
+            verdicts.append({"loss": loss, "signal": signal, "memory_ratio": mem_ratio, "speed_ratio": speed_ratio, "goal_met": ok})
+            rows.append([signal, loss, plain["tokens_per_s"], chunked["tokens_per_s"], speed_ratio,
+                         plain["step_peak_mib"], chunked["step_peak_mib"], mem_ratio, "yes" if ok else "no"])
+    device = results[0]["device"] if results else "?"
+    print(f"{args.target} -> draft layers {args.layers}, batch {args.batch_size} x {args.seq_len} tokens, "
+          f"vocabulary 49152, chunk {args.chunk_size}, device {device}, {torch.get_num_threads()} threads")
+    print(format_table(["signal", "loss", "tok/s plain", "tok/s chunked", "speed ratio", "peak MiB plain",
+                        "peak MiB chunked", "memory ratio", "goal"], rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out, {"settings": {k: v for k, v in vars(args).items() if k not in ("one", "loss", "chunk", "signal")},
+                            "results": results, "comparisons": verdicts})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The export stage: the best checkpoint (by measured speedup, see eval/stage.py) as a plain Hugging Face model.
+
+RUN/export/ holds safetensors weights, config, tokenizer, a generation_config.json whose
+`num_assistant_tokens` is the measured optimal k (schedule `constant`), and a README.md model card
+with the pair, the recipe and the measured tables, the plots beside it. It loads with
+`AutoModelForCausalLM.from_pretrained` and serves as `assistant_model=` in `generate()` with no
+project code. The directory is built under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from eval.report import domain_rows, markdown_table, temperature_rows
+from eval.stage import summary_table
+from train.errors import UserError
+from train.fsutil import atomic_write_text
+from train.models import load_model, log
+from train.recipe import dump_recipe
+
+
+def best_report(run_dir: Path) -> tuple[str, dict, dict]:
+    """(tag, report, summary) of the best measured checkpoint."""
+    summary_path = Path(run_dir) / "eval" / "summary.json"
+    if not summary_path.is_file():
+        raise UserError(f"export: no measurements in {summary_path.parent}; run the eval stage first")
+    summary = json.loads(summary_path.read_text())
+    tag = summary["best"]
+    return tag, json.loads((Path(run_dir) / "eval" / tag / "report.json").read_text()), summary
+
+
+def serving_k(report: dict) -> int:
+    """The optimal k measured at greedy decoding (the assistant's default), else at the lowest temperature."""
+    by_t = report["by_temperature"]
+    key = "0.0" if "0.0" in by_t else min(by_t, key=float)
+    return int(by_t[key]["optimal_k"] or report["settings"]["k"])
+
+
+def model_card(recipe, tag: str, report: dict, summary: dict, plots: list[str], k: int) -> str:
+    pair = report["pair"]
+    costs = report["costs"]
+    t_headers, t_rows = temperature_rows(report)
+    d_headers, d_rows = domain_rows(report)
+    requests = next(iter(report["by_temperature"].values()))["requests"]
+    conventions = "\n".join(f"- `{name}`: {text}" for name, text in report["conventions"].items())
+    plot_lines = "\n".join(f"![{Path(p).stem}](plots/{Path(p).name})" for p in plots)
+    return f"""---
+library_name: transformers
+tags: [speculative-decoding, draft-model, specdistill]
+---
+
+# Draft model for `{recipe.target.model}`
+
+A draft for speculative decoding, distilled by specdistill from `{pair['target']}` (draft initialised as
+`{pair['draft'].split('@')[0]}`), exported from `{tag}`: the checkpoint with the highest measured
+speedup ({summary['rule']}).
+
+## Use
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+target = AutoModelForCausalLM.from_pretrained("{recipe.target.model}")
+draft = AutoModelForCausalLM.from_pretrained("path/to/this/directory")
+tok = AutoTokenizer.from_pretrained("path/to/this/directory")
+inputs = tok("Write a haiku about rivers.", return_tensors="pt")
+out = target.generate(**inputs, assistant_model=draft, max_new_tokens=64)  # k = {k} from generation_config.json
+```
+
+vLLM: `vllm serve {recipe.target.model} --speculative-config '{{"model": "path/to/this/directory", "num_speculative_tokens": {k}}}'`
+
+## Measurements
+
+Measured by specdistill's own speculative decoder on {requests} held-out prompts, device `{report['device']}` ({report['dtype']}), k = {report['settings']['k']}, against vanilla decoding
+of the same target in the same run. Costs: draft {costs['t_draft_ms']:.1f} ms/token, target
+{costs['t_target_ms']['1']:.1f} ms/token, c = {costs['c']:.3f}. Optimal k from the measured alpha and costs: {k}.
+
+Conventions:
+
+{conventions}
+
+### By temperature
+
+{markdown_table(t_headers, t_rows)}
+
+### By temperature and domain
+
+{markdown_table(d_headers, d_rows)}
+
+### Every checkpoint
+
+```
+{summary_table(summary)}
+```
+
+{plot_lines}
+
+## Recipe
+
+```yaml
+{dump_recipe(recipe).strip()}
+```
+"""
+
+
+def run_export_stage(recipe, tokenizer, run_dir: Path, draft=None, dtype=None) -> Path:
+    """Write RUN/export/ from the best measured checkpoint (or `draft` when the best is the initial draft)."""
+    run_dir = Path(run_dir)
+    tag, report, summary = best_report(run_dir)
+    source = run_dir / tag
+    if tag.startswith("checkpoint-"):
+        if not source.is_dir():
+            raise UserError(f"export: the best checkpoint {source} is gone (keep_checkpoints removed it?)")
+        model = load_model(str(source), device="cpu")
+    elif draft is not None:
+        model = draft
+    else:
+        raise UserError(f"export: the best measured draft '{tag}' is not a checkpoint; run distill first")
+    if dtype is not None:
+        model = model.to(dtype)
+    k = serving_k(report)
+    final, tmp = run_dir / "export", run_dir / ".export.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    generation = model.generation_config
+    generation.num_assistant_tokens = k
+    generation.num_assistant_tokens_schedule = "constant"
+    generation.save_pretrained(tmp)
+    plots = []
+    for name in (report.get("plots") or {}).values():
+        src = run_dir / "eval" / tag / name
+        if src.is_file():
+            (tmp / "plots").mkdir(exist_ok=True)
+            shutil.copy2(src, tmp / "plots" / src.name)
+            plots.append(src.name)
+    atomic_write_text(tmp / "README.md", model_card(recipe, tag, report, summary, plots, k))
+    (tmp / "specdistill_report.json").write_text(json.dumps(report, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    log(f"export: {tag} written to {final} (num_assistant_tokens = {k})")
+    if recipe.export.push_to_hub:
+        from huggingface_hub import create_repo, upload_folder
+
+        create_repo(recipe.export.hub_model_id, exist_ok=True)  # the token comes from HF_TOKEN / the login
+        upload_folder(repo_id=recipe.export.hub_model_id, folder_path=str(final))
+        log(f"export: pushed to https://huggingface.co/{recipe.export.hub_model_id}")
+    return final
