@@ -388,68 +388,70 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
     checkpoints = list_checkpoints(run_dir)
     bar = tqdm(total=section.max_steps, initial=start_step, desc="distill", unit="step",
                disable=not accelerator.is_main_process)
-    for step in range(start_step, section.max_steps):
-        t0 = time.perf_counter()
-        indices = step_indices(len(examples), step, global_batch, recipe.seed)
-        micro = []
-        for a in range(section.grad_accum):
-            lo = (a * world + rank) * section.batch_size
-            micro.append(collate([examples[i] for i in indices[lo:lo + section.batch_size]], tokenizer.pad_token_id))
-        # Same draw on every process: a whole optimizer step is on-policy or not.
-        gen = torch.Generator().manual_seed(recipe.seed * 7_919 + step)
-        on_policy = section.on_policy_lambda > 0 and torch.rand((), generator=gen).item() < section.on_policy_lambda
-        if on_policy:
-            unwrapped = accelerator.unwrap_model(draft)
-            micro = [on_policy_batch(unwrapped, b, tokenizer, recipe.generate.max_new_tokens, section.temperature,
-                                     seed=recipe.seed * 1_000_003 + step * 131 + a * 7 + rank,
-                                     synced_gpus=stage == 3 and world > 1) for a, b in enumerate(micro)]
-        local_tokens = torch.tensor(float(sum(b.tokens for b in micro)), device=device)
-        global_tokens = accelerator.reduce(local_tokens, "sum").item()
-        # accelerate divides by grad_accum, DDP/DeepSpeed average over processes: undo both so the
-        # gradient is sum(all tokens) / global_tokens.
-        scale = section.grad_accum * world / max(global_tokens, 1.0)
-        sums = {}
-        for b in micro:
-            with accelerator.accumulate(draft):
-                with accelerator.autocast():
-                    terms = batch_losses(recipe, draft, target, b, device, on_policy, cached=(topk_ids, topk_lp))
-                accelerator.backward(sum(terms.values()) * scale)
-                for name, value in terms.items():
-                    sums[name] = sums.get(name, 0.0) + value.detach().float()
-        names = sorted(sums)
-        totals = accelerator.reduce(torch.stack([sums[n] for n in names]).to(device), "sum") / max(global_tokens, 1.0)
-        loss_value = totals.sum().item()
-        if not math.isfinite(loss_value):
-            last = checkpoints[-1][1] if checkpoints else None
-            raise UserError(f"distill: loss is {loss_value} at step {step + 1}; stopped. "
-                            + (f"Last good checkpoint: {last}" if last else "No checkpoint was written yet"))
-        grad_norm = accelerator.clip_grad_norm_(draft.parameters(), section.max_grad_norm)
-        lr = scheduler.get_last_lr()[0]  # the rate this step uses
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - t0
-        metrics = {"train/loss": loss_value, "train/lr": lr,
-                   "train/tokens_per_s": global_tokens / elapsed, "train/tokens": global_tokens,
-                   "train/on_policy": float(on_policy)}
-        metrics.update({f"train/{n}": v.item() for n, v in zip(names, totals)})
-        if grad_norm is not None:
-            metrics["train/grad_norm"] = float(grad_norm)
-        accelerator.log(metrics, step=step + 1)
-        if accelerator.is_main_process:
-            with log_path.open("a") as fh:
-                fh.write(json.dumps({"step": step + 1, **metrics}) + "\n")
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{global_tokens / elapsed:.0f}")
+    try:
+        for step in range(start_step, section.max_steps):
+            t0 = time.perf_counter()
+            indices = step_indices(len(examples), step, global_batch, recipe.seed)
+            micro = []
+            for a in range(section.grad_accum):
+                lo = (a * world + rank) * section.batch_size
+                micro.append(collate([examples[i] for i in indices[lo:lo + section.batch_size]], tokenizer.pad_token_id))
+            # Same draw on every process: a whole optimizer step is on-policy or not.
+            gen = torch.Generator().manual_seed(recipe.seed * 7_919 + step)
+            on_policy = section.on_policy_lambda > 0 and torch.rand((), generator=gen).item() < section.on_policy_lambda
+            if on_policy:
+                unwrapped = accelerator.unwrap_model(draft)
+                micro = [on_policy_batch(unwrapped, b, tokenizer, recipe.generate.max_new_tokens, section.temperature,
+                                         seed=recipe.seed * 1_000_003 + step * 131 + a * 7 + rank,
+                                         synced_gpus=stage == 3 and world > 1) for a, b in enumerate(micro)]
+            local_tokens = torch.tensor(float(sum(b.tokens for b in micro)), device=device)
+            global_tokens = accelerator.reduce(local_tokens, "sum").item()
+            # accelerate divides by grad_accum, DDP/DeepSpeed average over processes: undo both so the
+            # gradient is sum(all tokens) / global_tokens.
+            scale = section.grad_accum * world / max(global_tokens, 1.0)
+            sums = {}
+            for b in micro:
+                with accelerator.accumulate(draft):
+                    with accelerator.autocast():
+                        terms = batch_losses(recipe, draft, target, b, device, on_policy, cached=(topk_ids, topk_lp))
+                    accelerator.backward(sum(terms.values()) * scale)
+                    for name, value in terms.items():
+                        sums[name] = sums.get(name, 0.0) + value.detach().float()
+            names = sorted(sums)
+            totals = accelerator.reduce(torch.stack([sums[n] for n in names]).to(device), "sum") / max(global_tokens, 1.0)
+            loss_value = totals.sum().item()
+            if not math.isfinite(loss_value):
+                last = checkpoints[-1][1] if checkpoints else None
+                raise UserError(f"distill: loss is {loss_value} at step {step + 1}; stopped. "
+                                + (f"Last good checkpoint: {last}" if last else "No checkpoint was written yet"))
+            grad_norm = accelerator.clip_grad_norm_(draft.parameters(), section.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]  # the rate this step uses
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            elapsed = time.perf_counter() - t0
+            metrics = {"train/loss": loss_value, "train/lr": lr,
+                       "train/tokens_per_s": global_tokens / elapsed, "train/tokens": global_tokens,
+                       "train/on_policy": float(on_policy)}
+            metrics.update({f"train/{n}": v.item() for n, v in zip(names, totals)})
+            if grad_norm is not None:
+                metrics["train/grad_norm"] = float(grad_norm)
+            accelerator.log(metrics, step=step + 1)
+            if accelerator.is_main_process:
+                with log_path.open("a") as fh:
+                    fh.write(json.dumps({"step": step + 1, **metrics}) + "\n")
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{global_tokens / elapsed:.0f}")
 
-        if (step + 1) % section.checkpoint_every == 0 or step + 1 == section.max_steps:
-            path = save_checkpoint(recipe, accelerator, draft, scheduler, tokenizer, run_dir, step + 1, global_batch)
-            checkpoints = list_checkpoints(run_dir)
-            if on_checkpoint is not None:
-                on_checkpoint(step + 1, path, accelerator.unwrap_model(draft))
-            prune_checkpoints(accelerator, run_dir, section.keep_checkpoints)
-            checkpoints = list_checkpoints(run_dir)
-    bar.close()
+            if (step + 1) % section.checkpoint_every == 0 or step + 1 == section.max_steps:
+                path = save_checkpoint(recipe, accelerator, draft, scheduler, tokenizer, run_dir, step + 1, global_batch)
+                checkpoints = list_checkpoints(run_dir)
+                if on_checkpoint is not None:
+                    on_checkpoint(step + 1, path, accelerator.unwrap_model(draft))
+                prune_checkpoints(accelerator, run_dir, section.keep_checkpoints)
+                checkpoints = list_checkpoints(run_dir)
+    finally:
+        bar.close()  # before any error line, so that the error is the last line printed
     if accelerator.is_main_process:
         atomic_write_json(done_marker, {"steps": section.max_steps, "checkpoints": [p.name for _, p in checkpoints]})
     accelerator.wait_for_everyone()
@@ -481,6 +483,23 @@ def save_checkpoint(recipe, accelerator, draft, scheduler, tokenizer, run_dir: P
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
+    try:
+        _write_checkpoint(recipe, accelerator, draft, scheduler, tokenizer, tmp, step, global_batch)
+        if accelerator.is_main_process:
+            if final.exists():  # a damaged checkpoint of an earlier run at the same step: replaced whole
+                shutil.rmtree(final)
+            tmp.rename(final)
+    except BaseException:
+        if accelerator.is_main_process:  # a full disk, a read-only disk: the partial directory goes
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if accelerator.is_main_process:
+        log(f"distill: step {step}: checkpoint written to {final}")
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _write_checkpoint(recipe, accelerator, draft, scheduler, tokenizer, tmp: Path, step: int, global_batch: int) -> None:
     accelerator.save_state(str(tmp / "state"), safe_serialization=True)
     state_dict = accelerator.get_state_dict(draft)  # gathered from every process under ZeRO-3
     if accelerator.is_main_process:
@@ -492,19 +511,17 @@ def save_checkpoint(recipe, accelerator, draft, scheduler, tokenizer, run_dir: P
                  "scheduler": scheduler.state_dict(), "processes": accelerator.num_processes}
         state["files"] = _file_sizes(tmp)
         atomic_write_json(tmp / STATE_FILE, state)
-        if final.exists():  # a checkpoint of a killed earlier run at the same step: replaced whole
-            shutil.rmtree(final)
-        tmp.rename(final)
-        log(f"distill: step {step}: checkpoint written to {final}")
-    accelerator.wait_for_everyone()
-    return final
 
 
 def prune_checkpoints(accelerator, run_dir: Path, keep: int) -> None:
     if keep <= 0 or not accelerator.is_main_process:
         accelerator.wait_for_everyone()
         return
+    summary = run_dir / "eval" / "summary.json"
+    best = json.loads(summary.read_text())["best"] if summary.is_file() else None
     for _, path in list_checkpoints(run_dir)[:-keep]:
+        if path.name == best:
+            continue  # the best measured checkpoint is what export writes; never pruned
         shutil.rmtree(path)
         log(f"distill: removed {path} (keep_checkpoints={keep}); its eval report stays in eval/{path.name}/")
     accelerator.wait_for_everyone()

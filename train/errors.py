@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import sys
+
+# Environment failures that are the user's to fix (full disk, read-only or foreign output directory):
+# one line, exit 2, like bad input. Every output is written under a temporary name and renamed, so
+# what was complete before the failure stays complete.
+WRITE_ERRORS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
 
 class UserError(Exception):
@@ -19,6 +25,13 @@ def cli_main(func):
             return func(*args, **kwargs)
         except UserError as err:
             print(f"specdistill: error: {err}", file=sys.stderr)
+            sys.exit(2)
+        except OSError as err:
+            if err.errno not in WRITE_ERRORS:
+                raise
+            where = f" '{err.filename}'" if err.filename else ""
+            print(f"specdistill: error: cannot write{where}: {err.strerror}; outputs completed before this "
+                  "are intact; free space or fix permissions and rerun the same command to resume", file=sys.stderr)
             sys.exit(2)
         except KeyboardInterrupt:
             print("specdistill: interrupted; rerun the same command to resume", file=sys.stderr)

@@ -172,10 +172,8 @@ def log_model_artifact(recipe, accelerator, export_dir: Path) -> None:
 
 
 def _wandb_tracker(accelerator):
-    try:
-        return accelerator.get_tracker("wandb")
-    except (ValueError, KeyError):
-        return None
+    """The live W&B tracker, or None when tracking is off."""
+    return next((t for t in accelerator.trackers if t.name == "wandb"), None)
 
 
 def _eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir):

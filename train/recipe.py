@@ -161,7 +161,7 @@ class DistillSection:
     """Positions per chunk when computing losses over long vocabularies (0: no chunking)."""
     checkpoint_every: int = 50
     keep_checkpoints: int = 0
-    """Keep at most this many checkpoints (0: keep all)."""
+    """Keep the newest N checkpoints, plus the best measured one (0: keep all)."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """`auto`: bf16 on GPU, none on CPU."""
     freeze_embeddings: bool = False
