@@ -95,7 +95,8 @@ class CachedLM:
         """Feed `token_ids` after the cached ones; logits of the last `keep` positions, (keep, V)."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self.cache_kwarg: self.cache})
-        return out.logits[0, -keep:, : self.vocab_size]
+        # A model spread over several GPUs (device_map) returns logits on its last one: bring them home.
+        return out.logits[0, -keep:, : self.vocab_size].to(self.device)
 
     def crop(self, length: int) -> None:
         extra = self.length - length

@@ -264,6 +264,10 @@ def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = 
     if on_policy or recipe.distill.target_signal == "online":
         with torch.no_grad():
             target_logits = _model_logits(target, batch, device)
+        # Same tokenizer, but the embedding matrices may be padded to different sizes (Qwen2.5 0.5B has
+        # 151936 rows, 7B 152064): compare the rows both have; the rest are padding no text uses.
+        vocab = min(draft_logits.shape[-1], target_logits.shape[-1])
+        draft_logits, target_logits = draft_logits[..., :vocab], target_logits[..., :vocab]
     else:
         vocab = draft_logits.shape[-1]
         target_logits = cached_target_logits(batch, *cached, vocab, draft_logits.dtype).to(device)

@@ -196,6 +196,9 @@ def load_model(
 
     device = pick_device(device) if not isinstance(device, torch.device) else device
     path = resolve_model_path(name)
+    # One process on a machine with several GPUs (generate or eval of a target larger than one GPU):
+    # spread the layers over all of them. Under accelerate launch each process keeps its own device.
+    spread = device.type == "cuda" and torch.cuda.device_count() > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path,
@@ -203,11 +206,12 @@ def load_model(
             trust_remote_code=trust_remote_code,
             revision=revision,
             use_safetensors=True,
+            **({"device_map": "auto"} if spread else {}),
         )
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise _load_error(name, err) from None
     model.name_or_path = name
-    return model.to(device).eval()
+    return (model if spread else model.to(device)).eval()
 
 
 # ---------------------------------------------------------------------------- tokenizers

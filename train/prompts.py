@@ -40,6 +40,12 @@ def row_to_prompt(row: dict, index: int, where: str, *, prompt_column="prompt", 
         messages = row.get(chat_column)
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
             raise UserError(f"{where}: column '{chat_column}' must hold a list of {{role, content}} messages")
+        # The conversation up to its last user turn: the target writes the reply (chat datasets such as
+        # UltraChat also hold the reference replies, which must not be part of the prompt).
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if not users:
+            raise UserError(f"{where}: column '{chat_column}' holds no user message")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages[: users[-1] + 1]]
         text = None
     else:
         text = row.get(prompt_column)
