@@ -44,6 +44,10 @@ class Costs:
     t_target: dict[int, float]
     """Target time for verifying m tokens at once, m = 1..k_max+1."""
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "Costs":
+        return cls(t_draft=data["t_draft_ms"] / 1e3, t_target={int(m): t / 1e3 for m, t in data["t_target_ms"].items()})
+
     @property
     def c(self) -> float:
         return self.t_draft / self.t_target[1]
@@ -95,6 +99,21 @@ def predicted_speedup(alpha: float, k: int, costs: Costs) -> float:
 
 def optimal_k(alpha: float, costs: Costs, ks=range(1, 9)) -> int:
     return max(ks, key=lambda k: predicted_speedup(alpha, k, costs))
+
+
+def alpha_needed(speedup: float, costs: Costs, ks=range(1, 9)) -> float | None:
+    """The smallest alpha whose predicted speedup, at its best k, reaches `speedup` with these costs
+    (None: not reachable even at alpha = 1). Predicted speedup rises with alpha, so bisection works."""
+    best = None
+    for k in ks:
+        if k + 1 not in costs.t_target or predicted_speedup(1.0, k, costs) < speedup:
+            continue
+        lo, hi = 0.0, 1.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if predicted_speedup(mid, k, costs) < speedup else (lo, mid)
+        best = hi if best is None else min(best, hi)
+    return best
 
 
 def percentile(values: list[float], q: float) -> float | None:

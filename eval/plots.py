@@ -13,11 +13,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 from eval.metrics import Costs, predicted_speedup  # noqa: E402
 
 
-def _costs(report: dict) -> Costs:
-    c = report["costs"]
-    return Costs(t_draft=c["t_draft_ms"] / 1e3, t_target={int(m): t / 1e3 for m, t in c["t_target_ms"].items()})
-
-
 def _save(fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -62,7 +57,7 @@ def plot_alpha_by_temperature_domain(report: dict, path: Path) -> str:
 
 
 def plot_speedup_vs_alpha(report: dict, records: list[dict], path: Path) -> str:
-    costs, k = _costs(report), report["settings"]["k"]
+    costs, k = Costs.from_dict(report["costs"]), report["settings"]["k"]
     grid = [i / 100 for i in range(101)]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(grid, [predicted_speedup(a, k, costs) for a in grid], "k-", label=f"theory, k={k}, measured costs")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eval.metrics import Costs, alpha_needed
 from eval.report import EvalSettings, evaluate_pair, format_table, summary_text
 from train.fsutil import atomic_write_json, atomic_write_text
 from train.models import log
@@ -62,7 +63,9 @@ def summarize(run_dir: Path) -> dict | None:
                         "score_speedup": speedup, "score_alpha": alpha,
                         "by_temperature": {t: {k: r[k] for k in ("alpha", "tau", "speedup_observed", "speedup_theoretical", "optimal_k")}
                                            for t, r in report["by_temperature"].items()},
-                        "c": report["costs"]["c"]})
+                        "c": report["costs"]["c"],
+                        # What the measured costs ask of the draft: the alpha each speedup needs (best k).
+                        "alpha_needed": {f"{x}x": alpha_needed(x, Costs.from_dict(report["costs"])) for x in (1.2, 1.5, 2.0)}})
     if not entries:
         return None
     candidates = [e for e in entries if e["tag"].startswith("checkpoint-")] or entries

@@ -2,10 +2,12 @@
 
 For each loss (forward_kl, reverse_kl, jsd, tvd, sequence_ce), with and without chunking over the
 sequence, and with the online vs the cached (top-k) target signal: training tokens/s and peak memory
-of one optimizer step on the default target (vocabulary 49152) and a draft of its layers, through
+of one optimizer step on the default target (vocabulary 49152) and a draft of its layers (embeddings
+and head frozen, as in the default recipe), through
 the same `batch_losses` the distill loop runs. Each configuration runs in its own process so that
-peak memory is its own: CUDA max_memory_allocated on a GPU; on CPU the growth of the process's peak
-resident memory (ru_maxrss) over what it held after loading the models and building the batch.
+peak memory is its own: CUDA max_memory_allocated on a GPU; on CPU the peak resident memory sampled
+every 0.5 ms during the timed steps, over what the process held before them (models, batch and
+optimizer state, created by a warm-up step, are the baseline).
 Prints a table and writes JSON (default runs/bench/bench_distill.json).
 
 Goal (issue 5): chunked peak memory at most half of unchunked at vocabulary 49152 and sequence 512,
@@ -19,6 +21,7 @@ import json
 import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,8 +33,31 @@ sys.path.insert(0, str(ROOT))
 LOSSES = ("forward_kl", "reverse_kl", "jsd", "tvd", "sequence_ce")
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * resource.getpagesize()
+
+
+class PeakRSS:
+    """Peak resident memory of this process while the block runs, sampled by a thread (torch ops
+    release the GIL). Large tensors are mmapped and returned to the system when freed, so this tracks
+    the step's own high-water mark."""
+
+    def __enter__(self):
+        self.base = self.peak = rss_bytes()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(0.0005)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
 
 
 def one_config(args) -> dict:
@@ -44,6 +70,8 @@ def one_config(args) -> dict:
     target = load_model(args.target)
     device = target.device
     draft = draft_from_layers(target, args.layers).float().to(device).train()
+    draft.get_input_embeddings().requires_grad_(False)  # as the default recipe (freeze_embeddings): the
+    draft.get_output_embeddings().requires_grad_(False)  # tied head's gradient would be in both columns
     recipe = parse_recipe({"distill": {"losses": {args.loss: 1.0}, "loss_chunk_size": args.chunk,
                                        "target_signal": args.signal}})
     vocab = draft.config.vocab_size
@@ -71,16 +99,17 @@ def one_config(args) -> dict:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    else:
-        base = peak_rss_bytes()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    if device.type == "cuda":
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = peak_rss_bytes() - base
+        with PeakRSS() as rss:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+        peak = rss.peak - rss.base
     elapsed = time.perf_counter() - start
     return {"loss": args.loss, "chunk": args.chunk, "signal": args.signal, "device": str(device),
             "tokens_per_s": batch.tokens * args.steps / elapsed, "step_peak_mib": peak / 2**20,

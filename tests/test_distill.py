@@ -84,7 +84,7 @@ def full_run(tmp_path_factory, tiny_target_dir):
     data = json.loads(recipe.read_text())
     recipe.write_text(json.dumps({**data, "export": {"wandb_artifact": True}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(WANDB_API_KEY=SECRET, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    env.update(WANDB_API_KEY=SECRET, HF_TOKEN=SECRET, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "train", str(recipe)], cwd=ROOT, capture_output=True, text=True,
                           env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -145,7 +145,7 @@ def test_wandb_offline_run_holds_the_measured_alpha_and_no_secret(full_run):
     assert any("train/reverse_kl" in h and "train/tokens_per_s" in h for h in history)
     for path in run_dir.rglob("*"):
         if path.is_file():
-            assert SECRET.encode() not in path.read_bytes(), f"the W&B key was written to {path}"
+            assert SECRET.encode() not in path.read_bytes(), f"a secret (W&B key, hub token) was written to {path}"
 
 
 def test_export_is_a_plain_transformers_draft_that_assists_generate(full_run, tiny_target_dir):
@@ -256,9 +256,9 @@ def test_cached_target_logits_are_distributions_with_the_stored_top_k():
     batch = collate([ex], pad_id=0)
     ids = [[1, 2, 3, 4], [4, 3, 2, 1], [9, 8, 7, 6]]
     lp = torch.log_softmax(torch.randn(3, 10), -1).topk(k, dim=-1).values.tolist()
-    out = cached_target_logits(batch, [ids], [lp], vocab, torch.float32)  # (1, 4, V)
-    assert out.shape == (1, 4, vocab)
-    rows = out[0, 1:4]  # positions 1..3 predict completion tokens 7, 8, 9
+    out = cached_target_logits(batch, [ids], [lp], vocab, torch.float32)  # (1, 3, V): positions 1..3
+    assert batch.first == 1 and out.shape == (1, 3, vocab)
+    rows = out[0]  # positions 1..3 predict completion tokens 7, 8, 9
     torch.testing.assert_close(rows.exp().sum(-1), torch.ones(3))
     for j in range(3):
         torch.testing.assert_close(rows[j, ids[j]], torch.tensor(lp[j]))

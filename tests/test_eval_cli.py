@@ -74,3 +74,15 @@ def test_speed_model_matches_leviathan():
     assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
     assert optimal_k(0.0, costs) == 1 and optimal_k(0.95, costs) == 8
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 50) is None
+
+
+def test_alpha_needed_inverts_the_speed_model():
+    from eval.metrics import Costs, alpha_needed, optimal_k, predicted_speedup
+
+    costs = Costs(t_draft=0.01, t_target={m: 0.06 + 0.005 * (m - 1) for m in range(1, 10)})
+    needed = alpha_needed(1.5, costs)
+    k = optimal_k(needed, costs)
+    assert predicted_speedup(needed, k, costs) == pytest.approx(1.5, abs=1e-6)
+    assert predicted_speedup(needed - 0.01, optimal_k(needed - 0.01, costs), costs) < 1.5
+    assert alpha_needed(50.0, costs) is None  # beyond k + 1 tokens per round
+    assert Costs.from_dict(costs.to_dict()).t_target == pytest.approx(costs.t_target)

@@ -217,3 +217,27 @@ def test_bad_prompt_files_and_mismatched_draft_exit_2_with_nothing_written(tmp_p
         assert proc.returncode == 2, (message, proc.stderr[-2000:])
         assert message in last_error(proc), message
         assert not (run_dir / "generate").exists() and not list(run_dir.glob("checkpoint-*"))
+
+
+NO_PICKLE = """
+import torch
+original = torch.load
+def load(*args, **kwargs):
+    if kwargs.get("weights_only") is not True:
+        raise AssertionError("torch.load without weights_only=True")
+    return original(*args, **kwargs)
+torch.load = load
+"""
+
+
+def test_resume_loads_no_pickle(tmp_path, generated, tiny_target_dir, uninterrupted):  # noqa: F811
+    """Resuming reads weights from safetensors and the optimizer/RNG state with torch.load(weights_only=True)."""
+    run_dir, recipe = prepared(tmp_path, generated, "nopickle", tiny_target_dir, **KW)
+    proc = start(recipe)
+    kill_when(proc, lambda: (run_dir / "checkpoint-4").is_dir(), poll=0.01)
+    script = FAILING_WRITE.format(patch=NO_PICKLE, recipe=str(recipe))
+    resumed = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr
+    assert_weights_close(weights(uninterrupted, 6), weights(run_dir, 6))

@@ -33,6 +33,23 @@ def test_recipes_exist():
 def test_accelerate_configs_parse(path):
     config = yaml.safe_load(path.read_text())
     assert config["distributed_type"] in {"MULTI_GPU", "DEEPSPEED", "NO"}
+    if config["distributed_type"] == "DEEPSPEED":
+        import json
+
+        ds_file = ROOT / config["deepspeed_config"]["deepspeed_config_file"]
+        ds = json.loads(ds_file.read_text())
+        stage = ds["zero_optimization"]["stage"]
+        assert path.stem == f"zero{stage}"
+        # Left to specdistill, which fills them from the recipe (no dataloader is prepared).
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+            assert ds[key] == "auto", key
+        assert config["deepspeed_config"]["zero3_init_flag"] == (stage == 3)
+
+
+def test_real_scale_recipes_are_there():
+    names = {p.stem for p in RECIPES}
+    assert {"default", "smoke", "qwen2.5-7b-to-0.5b", "llama3.1-70b-to-3.2-1b", "code-qwen2.5-coder-7b-to-0.5b"} <= names
+    assert load_recipe(ROOT / "recipes" / "llama3.1-70b-to-3.2-1b.yaml").draft.init == "pretrained"  # ZeRO-3 needs it
 
 
 def test_overrides_apply_with_types(tmp_path):

@@ -19,7 +19,7 @@ def parse_args(argv=None):
     parser.add_argument("--stages", default=None, help=f"comma-separated subset of {','.join(STAGES)} (default: the recipe's)")
     parser.add_argument("--overwrite", action="store_true", help="reuse an output directory that holds a different recipe's run")
     parser.add_argument("--dry-run", action="store_true", help="validate the recipe and the model pair, print the plan, run nothing")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may come before or after the options
 
 
 @cli_main

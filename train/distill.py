@@ -90,6 +90,11 @@ class Batch:
     def tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def first(self) -> int:
+        """The first position that predicts a completion token: logits before it are never computed."""
+        return min(e.start for e in self.examples) - 1
+
 
 def collate(examples: list[Example], pad_id: int) -> Batch:
     width = max(len(e.ids) for e in examples)
@@ -104,7 +109,7 @@ def collate(examples: list[Example], pad_id: int) -> Batch:
 
 
 def cached_target_logits(batch: Batch, topk_ids, topk_logprobs, vocab: int, dtype) -> torch.Tensor:
-    """Target log-probs (B, L-1, V) rebuilt from the generate stage's top-k.
+    """Target log-probs (B, L-1-first, V) rebuilt from the generate stage's top-k (positions first..L-2).
 
     The top-k entries keep their log-probs; the tail mass 1 - sum(top-k) is spread uniformly over the
     other V - k tokens (so each position is a proper distribution). Positions outside the loss mask
@@ -112,7 +117,8 @@ def cached_target_logits(batch: Batch, topk_ids, topk_logprobs, vocab: int, dtyp
     them by the training temperature, which gives p^(1/T) renormalised, the tempered distribution.
     """
     B, L = batch.loss_mask.shape
-    out = torch.zeros((B, L, vocab), dtype=torch.float32)
+    first = batch.first
+    out = torch.zeros((B, L - first, vocab), dtype=torch.float32)
     for i, e in enumerate(batch.examples):
         ids = torch.tensor(topk_ids[e.row], dtype=torch.long)  # (n, k)
         lp = torch.tensor(topk_logprobs[e.row], dtype=torch.float32)  # (n, k)
@@ -121,7 +127,7 @@ def cached_target_logits(batch: Batch, topk_ids, topk_logprobs, vocab: int, dtyp
         tail = (1 - lp.exp().sum(-1)).clamp_min(1e-8) / max(vocab - ids.shape[1], 1)  # (n,)
         rows = tail.log()[:, None].expand(n, vocab).clone()
         rows.scatter_(1, ids, lp)
-        out[i, e.start - 1:e.start - 1 + n] = rows
+        out[i, e.start - 1 - first:e.start - 1 - first + n] = rows
     return out.to(dtype)
 
 
@@ -250,8 +256,15 @@ def prepare_target(accelerator, target):
 
 
 def _model_logits(model, batch: Batch, device) -> torch.Tensor:
-    out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
-    return out.logits[:, :-1]  # (B, L-1, V): position t predicts token t+1
+    """Logits of positions first..L-2, (B, L-1-first, V): position t predicts token t+1.
+
+    The prompt positions before the earliest completion never enter a loss, so the output head (the
+    largest matrix of a small draft) is not run on them: `logits_to_keep` keeps the last positions.
+    """
+    length = batch.input_ids.shape[1]
+    out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                logits_to_keep=length - batch.first)
+    return out.logits[:, :-1]
 
 
 def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = False, cached=None) -> dict:
@@ -277,13 +290,13 @@ def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = 
 def loss_terms(recipe, draft_logits, target_logits, batch: Batch, on_policy: bool) -> dict[str, torch.Tensor]:
     """Each weighted loss as a sum over this micro-batch's completion tokens (normalised later, globally)."""
     section = recipe.distill
-    mask = batch.loss_mask.to(draft_logits.device)
+    mask = batch.loss_mask[:, batch.first:].to(draft_logits.device)
     terms = {}
     for name, weight in section.losses.items():
         if name == "sequence_ce":
             if on_policy:
                 continue  # draft-written tokens are not targets; on-policy batches learn from the divergences only
-            labels = batch.input_ids[:, 1:].to(draft_logits.device)
+            labels = batch.input_ids[:, batch.first + 1:].to(draft_logits.device)
             value = L.sequence_ce(draft_logits, labels, mask, reduction="sum", chunk_size=section.loss_chunk_size)
         else:
             kwargs = {"beta": section.jsd_beta} if name == "jsd" else {}

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -73,41 +75,104 @@ def _chunked_sum(chunk_sum: Callable, tensors: tuple, chunk_size: int) -> torch.
     return total
 
 
-def _divergence(per_token: Callable, draft_logits, target_logits, mask, temperature, reduction, chunk_size, **kw):
+# Closed-form gradients of each per-position loss with respect to the draft's log-probabilities'
+# "score" g, where dL/dz_j = (1/T) q_j (g_j - sum_i q_i g_i) for draft logits z, q = softmax(z / T).
+# forward_kl is simpler: dL/dz = (q - p) / T (its g would be -p/q).
+def _score_reverse_kl(log_q, log_p, q, p, **_):
+    return log_q - log_p
+
+
+def _score_tvd(log_q, log_p, q, p, **_):
+    return 0.5 * torch.sign(q - p)
+
+
+def _score_jsd(log_q, log_p, q, p, beta=0.5, **_):
+    # d/dq_i [beta KL(p||m) + (1-beta) KL(q||m)] = (1-beta) log(q_i / m_i): the other terms cancel
+    log_m = torch.logaddexp(log_p + math.log(beta) if beta > 0 else torch.full_like(log_p, -math.inf),
+                            log_q + math.log(1 - beta) if beta < 1 else torch.full_like(log_q, -math.inf))
+    return (1 - beta) * (log_q - log_m)
+
+
+SCORES = {"reverse_kl": _score_reverse_kl, "tvd": _score_tvd, "jsd": _score_jsd}
+
+
+class _FusedChunkedLoss(torch.autograd.Function):
+    """sum over positions of a loss, computed chunk by chunk over T; the gradient with respect to the
+    draft's logits is computed in the same pass and kept (in the logits' dtype) for backward."""
+
+    @staticmethod
+    def forward(ctx, draft_logits, chunk_loss_and_grad, tensors, chunk_size):
+        grad = torch.empty_like(draft_logits)
+        total = draft_logits.new_zeros((), dtype=torch.float32)
+        for lo in range(0, draft_logits.shape[1], chunk_size):
+            value, g = chunk_loss_and_grad(draft_logits[:, lo:lo + chunk_size], *(x[:, lo:lo + chunk_size] for x in tensors))
+            total += value
+            grad[:, lo:lo + chunk_size] = g
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        # In place: the buffer is used once (a second backward through the same graph is not supported).
+        return grad.mul_(grad_output.to(grad.dtype)), None, None, None
+
+
+def _divergence(per_token: Callable, draft_logits, target_logits, mask, temperature, reduction, chunk_size, name, **kw):
     if draft_logits.shape != target_logits.shape:
         raise ValueError(f"draft logits {tuple(draft_logits.shape)} and target logits {tuple(target_logits.shape)} differ")
     if mask is None:
         mask = torch.ones(draft_logits.shape[:2], device=draft_logits.device)
+    count = mask.float().sum()
 
     def chunk_sum(d, t, m):  # (B, C, V), (B, C, V), (B, C) -> ()
         log_q = F.log_softmax(d.float() / temperature, dim=-1)
         log_p = F.log_softmax(t.float() / temperature, dim=-1)
         return (per_token(log_q, log_p, **kw) * m.float()).sum()
 
-    total = _chunked_sum(chunk_sum, (draft_logits, target_logits.detach(), mask), chunk_size)
-    return _reduce(total, mask.float().sum(), reduction)
+    if chunk_size > 0 and torch.is_grad_enabled() and draft_logits.requires_grad:
+
+        def loss_and_grad(d, t, m):  # value () and d value / d d, (B, C, V)
+            with torch.no_grad():
+                log_q = F.log_softmax(d.float() / temperature, dim=-1)
+                log_p = F.log_softmax(t.float() / temperature, dim=-1)
+                m = m.float()
+                value = (per_token(log_q, log_p, **kw) * m).sum()
+                q, p = log_q.exp(), log_p.exp()
+                if name == "forward_kl":
+                    g = q - p
+                else:
+                    score = SCORES[name](log_q, log_p, q, p, **kw)
+                    g = q * (score - (q * score).sum(-1, keepdim=True))
+                g = g * (m[..., None] / temperature)
+            return value, g.to(d.dtype)
+
+        total = _FusedChunkedLoss.apply(draft_logits, loss_and_grad, (target_logits.detach(), mask), chunk_size)
+        return _reduce(total, count, reduction)
+    total = _chunked_sum(chunk_sum, (draft_logits, target_logits.detach(), mask), 0 if chunk_size <= 0 else chunk_size)
+    return _reduce(total, count, reduction)
 
 
 def forward_kl(draft_logits, target_logits, mask=None, *, temperature=1.0, reduction="mean", chunk_size=0):
     """KL(p_target || p_draft) = sum_x p_target(x) log(p_target(x) / p_draft(x)), per position."""
-    return _divergence(_forward_kl, draft_logits, target_logits, mask, temperature, reduction, chunk_size)
+    return _divergence(_forward_kl, draft_logits, target_logits, mask, temperature, reduction, chunk_size, "forward_kl")
 
 
 def reverse_kl(draft_logits, target_logits, mask=None, *, temperature=1.0, reduction="mean", chunk_size=0):
     """KL(p_draft || p_target) = sum_x p_draft(x) log(p_draft(x) / p_target(x)), per position."""
-    return _divergence(_reverse_kl, draft_logits, target_logits, mask, temperature, reduction, chunk_size)
+    return _divergence(_reverse_kl, draft_logits, target_logits, mask, temperature, reduction, chunk_size, "reverse_kl")
 
 
 def jsd(draft_logits, target_logits, mask=None, *, beta=0.5, temperature=1.0, reduction="mean", chunk_size=0):
     """beta KL(p_target || m) + (1 - beta) KL(p_draft || m), m = beta p_target + (1 - beta) p_draft (GKD)."""
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
-    return _divergence(_jsd, draft_logits, target_logits, mask, temperature, reduction, chunk_size, beta=beta)
+    return _divergence(_jsd, draft_logits, target_logits, mask, temperature, reduction, chunk_size, "jsd", beta=beta)
 
 
 def tvd(draft_logits, target_logits, mask=None, *, temperature=1.0, reduction="mean", chunk_size=0):
     """1/2 sum_x |p_target(x) - p_draft(x)| = 1 - alpha (the per-position acceptance probability)."""
-    return _divergence(_tvd, draft_logits, target_logits, mask, temperature, reduction, chunk_size)
+    return _divergence(_tvd, draft_logits, target_logits, mask, temperature, reduction, chunk_size, "tvd")
 
 
 def sequence_ce(draft_logits, labels, mask=None, *, reduction="mean", chunk_size=0):
@@ -122,7 +187,21 @@ def sequence_ce(draft_logits, labels, mask=None, *, reduction="mean", chunk_size
         ce = F.cross_entropy(d.float().flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
         return (ce * m.float()).sum()
 
-    total = _chunked_sum(chunk_sum, (draft_logits, labels, mask), chunk_size)
+    if chunk_size > 0 and torch.is_grad_enabled() and draft_logits.requires_grad:
+
+        def loss_and_grad(d, y, m):  # d CE / d z = softmax(z) - onehot(y)
+            with torch.no_grad():
+                log_q = F.log_softmax(d.float(), dim=-1)
+                m = m.float()
+                value = -(log_q.gather(-1, y[..., None]).squeeze(-1) * m).sum()
+                g = log_q.exp()
+                g.scatter_add_(-1, y[..., None], -torch.ones_like(g[..., :1]))
+                g = g * m[..., None]
+            return value, g.to(d.dtype)
+
+        total = _FusedChunkedLoss.apply(draft_logits, loss_and_grad, (labels, mask), chunk_size)
+    else:
+        total = _chunked_sum(chunk_sum, (draft_logits, labels, mask), 0)
     return _reduce(total, mask.float().sum(), reduction)
 
 
