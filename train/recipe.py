@@ -157,7 +157,7 @@ class DistillSection:
     grad_accum: int = 1
     max_grad_norm: float = 1.0
     max_seq_len: int = 512
-    loss_chunk_size: int = 128
+    loss_chunk_size: int = 32
     """Positions per chunk when computing losses over long vocabularies (0: no chunking)."""
     checkpoint_every: int = 50
     keep_checkpoints: int = 0
