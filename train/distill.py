@@ -462,7 +462,6 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
 
             if (step + 1) % section.checkpoint_every == 0 or step + 1 == section.max_steps:
                 path = save_checkpoint(recipe, accelerator, draft, scheduler, tokenizer, run_dir, step + 1, global_batch)
-                checkpoints = list_checkpoints(run_dir)
                 if on_checkpoint is not None:
                     on_checkpoint(step + 1, path, accelerator.unwrap_model(draft))
                 prune_checkpoints(accelerator, run_dir, section.keep_checkpoints)
