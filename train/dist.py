@@ -31,14 +31,3 @@ def distributed_state():
         raise RuntimeError(f"launched with WORLD_SIZE={world} but the process group has {state.num_processes} processes")
     return state
 
-
-def wait_for_everyone() -> None:
-    """A barrier over all processes.
-
-    accelerate's own `wait_for_everyone` is a no-op when it reports DistributedType.NO, which it does
-    for CPU processes launched with ACCELERATE_USE_CPU=1 even though a gloo group of 2 exists.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

@@ -153,7 +153,7 @@ def write_shard(path: Path, rows: list[Row], results) -> None:
 
 def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> Path:
     """Generate every unfinished shard this process owns; the main process writes the manifest last."""
-    from train.dist import distributed_state, wait_for_everyone
+    from train.dist import distributed_state
 
     state = state or distributed_state()
     out_dir = Path(run_dir) / "generate"
@@ -195,7 +195,7 @@ def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> 
         write_shard(shard_path(out_dir, index), shard_rows, results)
     bar.close()
     elapsed = time.perf_counter() - start
-    wait_for_everyone()
+    state.wait_for_everyone()
     if state.is_main_process:
         missing = [i for i in range(n_shards) if not shard_path(out_dir, i).is_file()]
         if missing:
@@ -219,7 +219,7 @@ def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> 
         rate = new_tokens / elapsed if elapsed > 0 else 0.0
         log(f"generate: {manifest['rows']} rows in {n_shards} shards ({len(todo)} written now); "
             f"this process: {new_tokens} new tokens in {elapsed:.1f}s = {rate:.1f} tokens/s; {out_dir}")
-    wait_for_everyone()
+    state.wait_for_everyone()
     return out_dir
 
 

@@ -74,6 +74,8 @@ def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
         prepare_run_dir(recipe, overwrite)
     accelerator.wait_for_everyone()
     run_dir = recipe.run_dir
+    # A ZeRO-3 target is split over the processes: no single rank can generate or decode with it.
+    partitioned = zero_stage(accelerator) == 3 and accelerator.num_processes > 1
     if recipe.tracking.report_to == "wandb":
         start_tracking(recipe, accelerator, run_dir)
     try:
@@ -81,7 +83,7 @@ def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
             if stage == "generate":
                 from train.generate import run_generate_stage
 
-                if zero_stage(accelerator) == 3 and accelerator.num_processes > 1:
+                if partitioned:
                     raise UserError("stage 'generate' cannot run under multi-process ZeRO-3 (each process generates "
                                     "its own shards); run `python -m train RECIPE --stages generate` first, on one "
                                     "process or with the DDP config, then launch distill under ZeRO-3")
@@ -90,10 +92,13 @@ def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
             elif stage == "distill":
                 from train.distill import run_distill_stage
 
-                hook = _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, run_dir)
+                if partitioned and "eval" in recipe.stages:
+                    log("distill: under ZeRO-3 the target is partitioned, so checkpoints are measured afterwards by "
+                        "`python -m train RECIPE --stages eval` on one process")
+                hook = None if partitioned else _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, run_dir)
                 run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir, on_checkpoint=hook)
             elif stage == "eval":
-                if zero_stage(accelerator) == 3 and accelerator.num_processes > 1:
+                if partitioned:
                     log("eval: skipped under multi-process ZeRO-3 (the target is partitioned); measure the checkpoints "
                         "with `python -m train RECIPE --stages eval` on one process")
                     continue
@@ -115,13 +120,8 @@ def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
 def _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, run_dir):
     """Measure each checkpoint as it is written (main process; the others wait) and log it to the tracker."""
     from eval.stage import checkpoint_metrics, run_eval_stage, summarize
-    from train.distill import zero_stage
 
     if "eval" not in recipe.stages:
-        return None
-    if zero_stage(accelerator) == 3 and accelerator.num_processes > 1:
-        log("distill: under ZeRO-3 the target is partitioned, so checkpoints are measured afterwards by "
-            "`python -m train RECIPE --stages eval` on one process")
         return None
 
     def hook(step, path, draft):
