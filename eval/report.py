@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eval.metrics import CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, predicted_speedup
+from eval.packed import packed_linears
 from eval.speculative import Sampling, speculative_decode, vanilla_decode
 from train.fsutil import atomic_write_json, atomic_write_text
 from train.prompts import Prompt, encode_prompt
@@ -107,27 +108,28 @@ def evaluate_pair(
     vocab = len(tokenizer)
     encoded = [encode_prompt(tokenizer, p, settings.max_prompt_tokens) for p in prompts]
 
-    # Warm both models up (first calls allocate), then measure the costs on a real prompt.
-    speculative_decode(target, draft, encoded[0], k=settings.k, max_new_tokens=4, vocab_size=vocab)
-    costs = measure_costs(target, draft, encoded[0], k_max=max(8, settings.k))
+    with packed_linears(target), packed_linears(draft):
+        # Warm both models up (first calls allocate), then measure the costs on a real prompt.
+        speculative_decode(target, draft, encoded[0], k=settings.k, max_new_tokens=4, vocab_size=vocab)
+        costs = measure_costs(target, draft, encoded[0], k_max=max(8, settings.k))
 
-    records = []
-    device = next(target.parameters()).device
-    bar = tqdm(total=len(prompts) * len(settings.temperatures), desc="eval requests", unit="req", disable=not progress)
-    for t_index, temperature in enumerate(settings.temperatures):
-        sampling = Sampling(temperature, settings.top_k, settings.top_p)
-        for p_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
-            seed = settings.seed * 1_000_003 + t_index * 10_007 + p_index
-            common = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=eos, vocab_size=vocab)
-            vanilla = vanilla_decode(target, ids, generator=torch.Generator(device).manual_seed(seed), **common)
-            spec = speculative_decode(
-                target, draft, ids, k=settings.k, generator=torch.Generator(device).manual_seed(seed),
-                fallback_window=settings.fallback_window, fallback_threshold=settings.fallback_threshold, **common,
-            )
-            records.append(_request_record(prompt, temperature, settings, pair, spec, vanilla, costs))
-            bar.update(1)
-            bar.set_postfix(T=temperature, alpha=f"{spec.alpha or 0:.2f}", tau=f"{spec.tau or 0:.2f}")
-    bar.close()
+        records = []
+        device = next(target.parameters()).device
+        bar = tqdm(total=len(prompts) * len(settings.temperatures), desc="eval requests", unit="req", disable=not progress)
+        for t_index, temperature in enumerate(settings.temperatures):
+            sampling = Sampling(temperature, settings.top_k, settings.top_p)
+            for p_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+                seed = settings.seed * 1_000_003 + t_index * 10_007 + p_index
+                common = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=eos, vocab_size=vocab)
+                vanilla = vanilla_decode(target, ids, generator=torch.Generator(device).manual_seed(seed), **common)
+                spec = speculative_decode(
+                    target, draft, ids, k=settings.k, generator=torch.Generator(device).manual_seed(seed),
+                    fallback_window=settings.fallback_window, fallback_threshold=settings.fallback_threshold, **common,
+                )
+                records.append(_request_record(prompt, temperature, settings, pair, spec, vanilla, costs))
+                bar.update(1)
+                bar.set_postfix(T=temperature, alpha=f"{spec.alpha or 0:.2f}", tau=f"{spec.tau or 0:.2f}")
+        bar.close()
 
     report = build_report(records, costs, settings, target_name=target_name, draft_name=draft_name,
                           device=str(device), dtype=str(next(target.parameters()).dtype))

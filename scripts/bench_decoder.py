@@ -3,7 +3,9 @@
 On the default target (SmolLM2-135M-Instruct), greedy, with (a) the target itself as draft and (b) a draft
 made of a few of the target's layers, it times in one run, on the same prompts: vanilla decoding (ours),
 our speculative decoding, and transformers' assisted generation (`assistant_model=`, same k, constant
-schedule). Prints a table and writes JSON (default runs/bench/bench_decoder.json).
+schedule), each with plain linear layers and with oneDNN-packed ones (`eval/packed.py`, what the eval
+uses on a CPU). A second table gives the target's forward time over m = 1..9 tokens both ways. Prints
+the tables and writes JSON (default runs/bench/bench_decoder.json).
 
 Goals (issue 3): our speculative wall time <= assisted generation's on the same pair and k; observed
 speedup >= 0.85 x the theoretical speedup from measured costs and alpha.
@@ -21,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eval.metrics import measure_costs, predicted_speedup  # noqa: E402
+from eval.packed import packed_linears  # noqa: E402
 from eval.report import eos_ids, format_table  # noqa: E402
 from eval.speculative import speculative_decode, vanilla_decode  # noqa: E402
 from train.fsutil import atomic_write_json  # noqa: E402
@@ -40,7 +43,13 @@ def assisted_generate(target, draft, ids: list[int], k: int, max_new_tokens: int
     return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
-def bench_pair(name, target, draft, prompts, k, max_new_tokens, eos, vocab):
+def bench_pair(name, target, draft, prompts, k, max_new_tokens, eos, vocab, packed: bool):
+    with packed_linears(target, enabled=packed), packed_linears(draft, enabled=packed):
+        row = _bench_pair(target, draft, prompts, k, max_new_tokens, eos, vocab)
+    return {"pair": name, "linears": "packed" if packed else "plain"} | row
+
+
+def _bench_pair(target, draft, prompts, k, max_new_tokens, eos, vocab):
     # Warm up every path once (first calls allocate and pick kernels).
     vanilla_decode(target, prompts[0], max_new_tokens=4, eos_token_ids=eos, vocab_size=vocab)
     speculative_decode(target, draft, prompts[0], k=k, max_new_tokens=4, eos_token_ids=eos, vocab_size=vocab)
@@ -64,7 +73,6 @@ def bench_pair(name, target, draft, prompts, k, max_new_tokens, eos, vocab):
     theory = predicted_speedup(alpha, k, costs)
     observed = t_van / t_spec
     return {
-        "pair": name,
         "k": k,
         "alpha": alpha,
         "tau": n_spec / rounds,
@@ -103,19 +111,23 @@ def main():
     layers = [int(i) for i in args.layers.split(",")]
     eos = eos_ids(tokenizer, target)
     prompts = [encode_prompt(tokenizer, p) for p in spread(builtin_prompts("held_out"), args.prompts)]
+    layer_draft = draft_from_layers(target, layers).to(target.device).eval()
     rows = [
-        bench_pair("target as its own draft", target, target, prompts, args.k, args.max_new_tokens, eos, len(tokenizer)),
-        bench_pair(f"layers {args.layers} of the target", target, draft_from_layers(target, layers).to(target.device).eval(),
-                   prompts, args.k, args.max_new_tokens, eos, len(tokenizer)),
+        bench_pair(name, target, draft, prompts, args.k, args.max_new_tokens, eos, len(tokenizer), packed)
+        for name, draft in (("target as its own draft", target), (f"layers {args.layers} of the target", layer_draft))
+        for packed in (False, True)
     ]
-    headers = ["pair", "alpha", "tau", "c", "tok/s vanilla", "tok/s ours", "tok/s assisted", "ours/assisted time",
+    headers = ["pair", "linears", "alpha", "tau", "c", "tok/s vanilla", "tok/s ours", "tok/s assisted", "ours/assisted time",
                "speedup obs", "speedup theo", "obs/theo", "greedy =="]
-    table = [[r["pair"], r["alpha"], r["tau"], r["c"], r["tokens_per_s_vanilla"], r["tokens_per_s_ours"],
+    table = [[r["pair"], r["linears"], r["alpha"], r["tau"], r["c"], r["tokens_per_s_vanilla"], r["tokens_per_s_ours"],
               r["tokens_per_s_assisted"], r["ours_over_assisted_time"], r["speedup_observed"],
               r["speedup_theoretical"], r["observed_over_theoretical"], r["greedy_identical"]] for r in rows]
     print(f"greedy, k={args.k}, {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens, "
           f"device {target.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(format_table(headers, table))
+    costs = {r["linears"]: r["costs"]["t_target_ms"] for r in rows if r["pair"] == "target as its own draft"}
+    print("\ntarget forward time (ms) over m tokens after a cached prompt")
+    print(format_table(["linears"] + [f"m={m}" for m in costs["plain"]], [[name] + list(t.values()) for name, t in costs.items()]))
     out = atomic_write_json(args.out, {"settings": vars(args) | {"threads_used": torch.get_num_threads()}, "results": rows})
     print(f"wrote {out}")
 

@@ -80,3 +80,11 @@ def tiny_draft_dir(tmp_path_factory, tiny_tokenizer):
     make_model(len(tiny_tokenizer), layers=1, hidden=32, seed=1).save_pretrained(path)
     tiny_tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_wandb_service():
+    """A W&B run started inside the test process sets WANDB_SERVICE; a run started later as a subprocess
+    would attach to that service, which may be gone by then. Every test starts without it."""
+    os.environ.pop("WANDB_SERVICE", None)
+    yield

@@ -120,3 +120,40 @@ def test_fallback_guardrail_switches_to_vanilla(target):
     good = speculative_decode(target, target, PROMPTS[0], k=3, max_new_tokens=40,
                               fallback_window=10, fallback_threshold=0.4)
     assert not good.fallback_triggered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linears_compute_the_same_logits_and_restore_the_model(dtype):
+    from eval.packed import packed_linears, packing_supported
+
+    if not packing_supported(dtype):
+        pytest.skip(f"oneDNN packing of {dtype} is not supported on this CPU")
+    model = make_model(V, layers=2, seed=0).to(dtype).eval()
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    keys = set(model.state_dict())
+    with torch.no_grad():
+        plain = model(ids).logits.float()
+        with packed_linears(model), packed_linears(model):  # nested: the target as its own draft
+            assert all("forward" in vars(m) and hasattr(m, "_packed_weight") for m in linears)
+            packed = model(ids).logits.float()
+        after = model(ids).logits.float()
+    assert not any("forward" in vars(m) or hasattr(m, "_packed_weight") for m in linears)
+    assert set(model.state_dict()) == keys
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied weights stay tied
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(packed, plain, atol=tol, rtol=tol)
+    torch.testing.assert_close(after, plain, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculative_equals_vanilla_with_packed_linears(target, k):
+    from eval.packed import packed_linears
+
+    draft = trained_draft(target)
+    with packed_linears(target), packed_linears(draft):
+        assert "forward" in vars(target.lm_head)
+        for prompt in PROMPTS:
+            vanilla = vanilla_decode(target, prompt, max_new_tokens=40)
+            spec = speculative_decode(target, draft, prompt, k=k, max_new_tokens=40)
+            assert spec.output_ids == vanilla.output_ids

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from eval.packed import packed_linears
 from train.errors import UserError
 from train.fsutil import atomic_path, atomic_write_json
 from train.models import log
@@ -175,24 +176,25 @@ def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> 
     bar = tqdm(total=todo_rows, desc=f"generate [{state.process_index}]", unit="row", disable=not todo_rows,
                position=state.process_index)
     start, new_tokens = time.perf_counter(), 0
-    for index in todo:
-        shard_rows = rows[index * gen.shard_size:(index + 1) * gen.shard_size]
-        results = []
-        # Batches never mix temperatures; each has a seed fixed by (recipe seed, shard, batch).
-        batches, current = [], []
-        for row in shard_rows:
-            if current and (row.temperature != current[0].temperature or len(current) == gen.batch_size):
-                batches.append(current)
-                current = []
-            current.append(row)
-        batches.append(current)
-        for b, batch in enumerate(batches):
-            out = generate_batch(target, tokenizer, batch, gen, seed=recipe.seed * 1_000_003 + index * 1_009 + b)
-            results.extend(out)
-            new_tokens += sum(len(r[0]) for r in out)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
-        write_shard(shard_path(out_dir, index), shard_rows, results)
+    with packed_linears(target):  # a CPU target reads packed weights (eval/packed.py)
+        for index in todo:
+            shard_rows = rows[index * gen.shard_size:(index + 1) * gen.shard_size]
+            results = []
+            # Batches never mix temperatures; each has a seed fixed by (recipe seed, shard, batch).
+            batches, current = [], []
+            for row in shard_rows:
+                if current and (row.temperature != current[0].temperature or len(current) == gen.batch_size):
+                    batches.append(current)
+                    current = []
+                current.append(row)
+            batches.append(current)
+            for b, batch in enumerate(batches):
+                out = generate_batch(target, tokenizer, batch, gen, seed=recipe.seed * 1_000_003 + index * 1_009 + b)
+                results.extend(out)
+                new_tokens += sum(len(r[0]) for r in out)
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
+            write_shard(shard_path(out_dir, index), shard_rows, results)
     bar.close()
     elapsed = time.perf_counter() - start
     state.wait_for_everyone()
