@@ -265,6 +265,53 @@ def test_cached_target_logits_are_distributions_with_the_stored_top_k():
     assert batch.loss_mask.tolist() == [[0, 1, 1, 1]]
 
 
+@pytest.mark.parametrize("signal,on_policy", [("online", False), ("cached", False), ("cached", True)])
+@pytest.mark.parametrize("losses", [{"forward_kl": 1.0, "sequence_ce": 0.5}, {"reverse_kl": 1.0}, {"jsd": 0.7, "tvd": 1.0}])
+@pytest.mark.parametrize("freeze_head", [False, True])
+def test_fused_head_losses_equal_the_plain_path(signal, on_policy, losses, freeze_head, monkeypatch):
+    """loss_chunk_size > 0 runs the draft's head inside the loss, chunk by chunk: same loss terms and the
+    same gradients for every draft parameter as the plain path (full logits); the draft's vocabulary is
+    padded past the target's, as Qwen2.5's are."""
+    from conftest import make_model
+    from train import losses as L
+    from train.distill import Example, batch_losses, collate
+    from train.recipe import parse_recipe
+
+    fused_calls = []
+    real = L.fused_head_loss
+    monkeypatch.setattr(L, "fused_head_loss", lambda *a, **k: fused_calls.append(1) or real(*a, **k))
+    V = 40
+    target = make_model(V, layers=2, seed=0).eval()
+    g = torch.Generator().manual_seed(0)
+    examples = [Example(ids=torch.randint(3, V, (n,), generator=g).tolist(), start=s, row=i)
+                for i, (n, s) in enumerate([(11, 3), (8, 5), (13, 2)])]
+    batch = collate(examples, pad_id=0)
+    topk_ids = [torch.randint(0, V, (n - s, 5), generator=g).tolist() for n, s in [(11, 3), (8, 5), (13, 2)]]
+    topk_lp = [torch.randn(n - s, 5, generator=g).log_softmax(-1).tolist() for n, s in [(11, 3), (8, 5), (13, 2)]]
+
+    def run(chunk):
+        draft = make_model(V + 8, layers=1, seed=5).train()  # 8 padding rows past the target's vocabulary
+        draft.get_output_embeddings().weight.requires_grad_(not freeze_head)
+        recipe = parse_recipe({"distill": {"losses": losses, "loss_chunk_size": chunk, "target_signal": signal,
+                                           "temperature": 1.3}})
+        terms = batch_losses(recipe, draft, target, batch, torch.device("cpu"), on_policy, cached=(topk_ids, topk_lp))
+        sum(terms.values()).backward()
+        return ({k: v.item() for k, v in terms.items()},
+                {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
+
+    plain_terms, plain_grads = run(0)
+    assert not fused_calls
+    fused_terms, fused_grads = run(4)
+    assert fused_calls
+    assert fused_terms.keys() == plain_terms.keys() and plain_terms
+    for name in plain_terms:
+        assert fused_terms[name] == pytest.approx(plain_terms[name], rel=1e-4, abs=1e-5)
+    assert fused_grads.keys() == plain_grads.keys()
+    assert ("lm_head.weight" in fused_grads or "model.embed_tokens.weight" in fused_grads) != freeze_head
+    for name in plain_grads:
+        torch.testing.assert_close(fused_grads[name], plain_grads[name], atol=1e-5, rtol=1e-4)
+
+
 def test_data_order_covers_every_example_once_per_epoch():
     from train.distill import step_indices
 

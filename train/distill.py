@@ -108,13 +108,20 @@ def collate(examples: list[Example], pad_id: int) -> Batch:
     return Batch(input_ids, attention, loss_mask, examples)
 
 
+def topk_to_logprobs(ids: torch.Tensor, lp: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Full log-prob rows (n, V) from top-k ids and log-probs (n, k): the top-k entries keep their
+    log-probs and the tail mass 1 - sum(top-k) is spread uniformly over the other V - k tokens."""
+    tail = (1 - lp.exp().sum(-1)).clamp_min(1e-8) / max(vocab - ids.shape[1], 1)  # (n,)
+    return tail.log()[:, None].expand(ids.shape[0], vocab).clone().scatter_(1, ids, lp)
+
+
 def cached_target_logits(batch: Batch, topk_ids, topk_logprobs, vocab: int, dtype) -> torch.Tensor:
     """Target log-probs (B, L-1-first, V) rebuilt from the generate stage's top-k (positions first..L-2).
 
-    The top-k entries keep their log-probs; the tail mass 1 - sum(top-k) is spread uniformly over the
-    other V - k tokens (so each position is a proper distribution). Positions outside the loss mask
-    are left at 0 (uniform) and never count. These are log-probs at temperature 1; the losses divide
-    them by the training temperature, which gives p^(1/T) renormalised, the tempered distribution.
+    Each position is a proper distribution (`topk_to_logprobs`: the tail mass spread uniformly).
+    Positions outside the loss mask are left at 0 (uniform) and never count. These are log-probs at
+    temperature 1; the losses divide them by the training temperature, which gives p^(1/T)
+    renormalised, the tempered distribution.
     """
     B, L = batch.loss_mask.shape
     first = batch.first
@@ -123,12 +130,21 @@ def cached_target_logits(batch: Batch, topk_ids, topk_logprobs, vocab: int, dtyp
         ids = torch.tensor(topk_ids[e.row], dtype=torch.long)  # (n, k)
         lp = torch.tensor(topk_logprobs[e.row], dtype=torch.float32)  # (n, k)
         n = min(ids.shape[0], len(e.ids) - e.start)
-        ids, lp = ids[:n], lp[:n]
-        tail = (1 - lp.exp().sum(-1)).clamp_min(1e-8) / max(vocab - ids.shape[1], 1)  # (n,)
-        rows = tail.log()[:, None].expand(n, vocab).clone()
-        rows.scatter_(1, ids, lp)
-        out[i, e.start - 1 - first:e.start - 1 - first + n] = rows
+        out[i, e.start - 1 - first:e.start - 1 - first + n] = topk_to_logprobs(ids[:n], lp[:n], vocab)
     return out.to(dtype)
+
+
+def masked_topk(batch: Batch, topk_ids, topk_logprobs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached top-k (N, k) ids and log-probs of the loss positions, in the order of
+    `batch.loss_mask.nonzero()` (example by example, position by position)."""
+    ids, lp = [], []
+    for e in batch.examples:
+        n = len(e.ids) - e.start  # completion tokens = loss positions of this example
+        if len(topk_ids[e.row]) < n:
+            raise ValueError(f"generated row {e.row}: {len(topk_ids[e.row])} top-k rows for {n} completion tokens")
+        ids.append(torch.tensor(topk_ids[e.row][:n], dtype=torch.long))
+        lp.append(torch.tensor(topk_logprobs[e.row][:n], dtype=torch.float32))
+    return torch.cat(ids), torch.cat(lp)
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -271,8 +287,11 @@ def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = 
     """Forward both sides of one micro-batch and return the weighted loss sums (see `loss_terms`).
 
     The target's logits come from its forward pass under no_grad (online, and always for on-policy
-    batches) or from the cached top-k log-probs `cached = (topk_ids, topk_logprobs)`.
+    batches) or from the cached top-k log-probs `cached = (topk_ids, topk_logprobs)`. With
+    `loss_chunk_size` > 0 the draft's head runs inside the loss, chunk by chunk (`fused_batch_losses`).
     """
+    if _fused_head_weight(recipe, draft) is not None:
+        return fused_batch_losses(recipe, draft, target, batch, device, on_policy, cached)
     draft_logits = _model_logits(draft, batch, device)
     if on_policy or recipe.distill.target_signal == "online":
         with torch.no_grad():
@@ -285,6 +304,97 @@ def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = 
         vocab = draft_logits.shape[-1]
         target_logits = cached_target_logits(batch, *cached, vocab, draft_logits.dtype).to(device)
     return loss_terms(recipe, draft_logits, target_logits, batch, on_policy)
+
+
+def _unwrapped(model):
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)
+
+
+def _fused_head_weight(recipe, model):
+    """The head weight to run inside the chunked loss, or None where the plain path is taken: no
+    chunking, no gradient, or a ZeRO-3-partitioned head (only its engine's hooks can gather it)."""
+    if recipe.distill.loss_chunk_size <= 0 or not torch.is_grad_enabled():
+        return None
+    inner = _unwrapped(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_decoder") else None
+    if head is None or getattr(head, "bias", None) is not None or hasattr(head.weight, "ds_id"):
+        return None
+    return head.weight
+
+
+def _last_hidden(model, batch: Batch, device) -> torch.Tensor:
+    """The model's final hidden states (after its last norm) at positions first..L-2, (B, L-1-first, H).
+
+    The call goes through the wrapper (DDP, DeepSpeed) as usual, with the head run on one position only;
+    a hook on the decoder picks up its output, which the head would have read.
+    """
+    captured = []
+    hook = _unwrapped(model).get_decoder().register_forward_hook(lambda module, args, out: captured.append(out[0]))
+    try:
+        model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), logits_to_keep=1)
+    finally:
+        hook.remove()
+    return captured[-1][:, batch.first:-1]
+
+
+def fused_batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = False, cached=None) -> dict:
+    """`batch_losses` with the draft's head inside the loss (`losses.fused_head_loss`).
+
+    Only the N loss positions of the micro-batch are kept (padding and prompt positions are dropped),
+    and over chunks of `loss_chunk_size` of them the draft's logits, the target's (from its hidden
+    states online, from the top-k cache otherwise) and every loss term's gradient exist for one chunk
+    at a time. Returns the same weighted sums as `loss_terms`; their sum carries the gradient of all
+    terms (the first term holds it), so backpropagate the sum, as the loop does.
+    """
+    section = recipe.distill
+    weight = _fused_head_weight(recipe, draft)
+    keep = batch.loss_mask[:, batch.first:].bool().to(device)  # (B, T)
+    hidden = _last_hidden(draft, batch, device)[keep][None]  # (1, N, H)
+    labels = batch.input_ids[:, batch.first + 1:].to(device)[keep][None]  # (1, N)
+    vocab = weight.shape[0]
+    if on_policy or section.target_signal == "online":
+        with torch.no_grad():
+            target_weight = _fused_head_weight(recipe, target)
+            if target_weight is not None:  # the target's logits are made chunk by chunk too
+                target_hidden = _last_hidden(target, batch, device)[keep][None]  # (1, N, H)
+                vocab = min(vocab, target_weight.shape[0])
+                target_head = target_weight[:vocab].to(target_hidden.dtype)
+                target_chunk = lambda lo, hi: target_hidden[:, lo:hi] @ target_head.T  # noqa: E731
+            else:  # a partitioned (ZeRO-3) target runs its own head
+                target_logits = _model_logits(target, batch, device)[keep][None]
+                vocab = min(vocab, target_logits.shape[-1])
+                target_chunk = lambda lo, hi: target_logits[:, lo:hi, :vocab]  # noqa: E731
+    else:
+        topk_ids, topk_lp = masked_topk(batch, *cached)
+        target_chunk = lambda lo, hi: topk_to_logprobs(topk_ids[lo:hi], topk_lp[lo:hi], vocab)[None].to(device)  # noqa: E731
+    active = {name: w for name, w in section.losses.items() if not (on_policy and name == "sequence_ce")}
+    values = {name: torch.zeros((), device=device) for name in active}
+
+    def chunk_value_and_grad(lo, hi, logits):  # (1, C, V) -> (), (1, C, V)
+        target_logits = target_chunk(lo, hi) if any(name != "sequence_ce" for name in active) else None
+        ones = logits.new_ones(logits.shape[:2], dtype=torch.float32)
+        grad = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        chunk_value = torch.zeros((), device=logits.device)
+        for name, w in active.items():
+            if name == "sequence_ce":
+                value, g = L.ce_value_and_grad(logits, labels[:, lo:hi], ones)
+            else:
+                kwargs = {"beta": section.jsd_beta} if name == "jsd" else {}
+                value, g = L.divergence_value_and_grad(name, logits, target_logits, ones,
+                                                       temperature=section.temperature, **kwargs)
+            values[name] += w * value
+            chunk_value += w * value
+            grad.add_(g, alpha=w)
+        return chunk_value, grad
+
+    total = L.fused_head_loss(hidden, weight[:vocab], chunk_value_and_grad, section.loss_chunk_size)
+    terms = {name: value.detach() for name, value in values.items()}
+    if terms:
+        first = next(iter(terms))
+        terms[first] = terms[first] + (total - total.detach())  # the value of one term, the gradient of all
+    return terms
 
 
 def loss_terms(recipe, draft_logits, target_logits, batch: Batch, on_policy: bool) -> dict[str, torch.Tensor]:

@@ -3,21 +3,22 @@
 Every loss takes `mask` (B, T) of 0/1 (None = all positions) and `reduction`: "mean" over unmasked
 positions (0 for an all-masked batch, never NaN) or "sum" (the distill loop divides by the global
 token count, so gradient accumulation and data parallelism give the same loss). `chunk_size` > 0
-computes the loss over T in chunks, each under activation checkpointing, so float32 copies of
-both models' full-vocabulary logits exist for one chunk at a time; value and gradient are the same.
+computes the loss over T in chunks, each with its gradient in closed form in the same pass, so
+float32 copies of both models' full-vocabulary logits exist for one chunk at a time; value and
+gradient are the same. `fused_head_loss` goes one step further for the distill loop: it runs the
+draft's output head chunk by chunk too, so the draft's (B, T, V) logits never exist at all.
 
 p_target = softmax(target_logits / temperature), p_draft = softmax(draft_logits / temperature).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
+import functools
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 def _xlogy_diff(p: torch.Tensor, log_p: torch.Tensor, log_other: torch.Tensor) -> torch.Tensor:
@@ -59,19 +60,13 @@ def _reduce(per_position_sum: torch.Tensor, count: torch.Tensor, reduction: str)
 
 
 def _chunked_sum(chunk_sum: Callable, tensors: tuple, chunk_size: int) -> torch.Tensor:
-    """sum of chunk_sum over slices [:, lo:hi] of `tensors` (first one: the draft's logits).
-
-    With chunk_size > 0 and gradients on, each chunk runs under activation checkpointing: its float32
-    log-softmaxes are recomputed in backward instead of kept, so only one chunk's exist at a time.
-    """
-    draft_logits = tensors[0]
-    length = draft_logits.shape[1]
+    """sum of chunk_sum over slices [:, lo:hi] of `tensors` (first one: the draft's logits); used without a
+    gradient to the logits (with one, `_FusedChunkedLoss` computes it in closed form, chunk by chunk)."""
+    length = tensors[0].shape[1]
     step = chunk_size if chunk_size > 0 else max(length, 1)
-    use_ckpt = chunk_size > 0 and torch.is_grad_enabled() and draft_logits.requires_grad
-    total = draft_logits.new_zeros((), dtype=torch.float32)
+    total = tensors[0].new_zeros((), dtype=torch.float32)
     for lo in range(0, length, step):
-        args = tuple(x[:, lo : lo + step] for x in tensors)
-        total = total + (checkpoint(chunk_sum, *args, use_reentrant=False) if use_ckpt else chunk_sum(*args))
+        total = total + chunk_sum(*(x[:, lo : lo + step] for x in tensors))
     return total
 
 
@@ -94,6 +89,38 @@ def _score_jsd(log_q, log_p, q, p, beta=0.5, **_):
 
 
 SCORES = {"reverse_kl": _score_reverse_kl, "tvd": _score_tvd, "jsd": _score_jsd}
+PER_TOKEN = {"forward_kl": _forward_kl, "reverse_kl": _reverse_kl, "jsd": _jsd, "tvd": _tvd}
+
+
+@torch.no_grad()
+def divergence_value_and_grad(name: str, d, t, m, *, temperature: float = 1.0, **kw):
+    """Sum over positions of divergence `name` and its gradient with respect to the draft logits `d`.
+
+    `d`, `t` (B, C, V) draft and target logits, `m` (B, C) mask -> (value (), gradient (B, C, V) float32).
+    """
+    log_q = F.log_softmax(d.float() / temperature, dim=-1)
+    log_p = F.log_softmax(t.float() / temperature, dim=-1)
+    m = m.float()
+    value = (PER_TOKEN[name](log_q, log_p, **kw) * m).sum()
+    q, p = log_q.exp(), log_p.exp()
+    if name == "forward_kl":
+        g = q - p
+    else:
+        score = SCORES[name](log_q, log_p, q, p, **kw)
+        g = q * (score - (q * score).sum(-1, keepdim=True))
+    return value, g * (m[..., None] / temperature)
+
+
+@torch.no_grad()
+def ce_value_and_grad(d, y, m):
+    """Sum over positions of the cross-entropy of logits `d` (B, C, V) on labels `y` (B, C), masked by
+    `m`, and its gradient: d CE / d z = softmax(z) - onehot(y)."""
+    log_q = F.log_softmax(d.float(), dim=-1)
+    m = m.float()
+    value = -(log_q.gather(-1, y[..., None]).squeeze(-1) * m).sum()
+    g = log_q.exp()
+    g.scatter_add_(-1, y[..., None], -torch.ones_like(g[..., :1]))
+    return value, g * m[..., None]
 
 
 class _FusedChunkedLoss(torch.autograd.Function):
@@ -107,7 +134,7 @@ class _FusedChunkedLoss(torch.autograd.Function):
         for lo in range(0, draft_logits.shape[1], chunk_size):
             value, g = chunk_loss_and_grad(draft_logits[:, lo:lo + chunk_size], *(x[:, lo:lo + chunk_size] for x in tensors))
             total += value
-            grad[:, lo:lo + chunk_size] = g
+            grad[:, lo:lo + chunk_size] = g.to(grad.dtype)
         ctx.save_for_backward(grad)
         return total
 
@@ -116,6 +143,50 @@ class _FusedChunkedLoss(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         # In place: the buffer is used once (a second backward through the same graph is not supported).
         return grad.mul_(grad_output.to(grad.dtype)), None, None, None
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """The summed loss of logits = hidden @ weight.T, over T in chunks: one chunk's (B, C, V) logits exist
+    at a time, and the gradients with respect to `hidden` (and `weight`) are computed in the same pass,
+    as in fused linear cross-entropy (Liger-Kernel; Wijmans et al. 2025, "Cut Your Losses"), here for
+    any loss whose logit gradient is known in closed form."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, chunk_value_and_grad, chunk_size):
+        w = weight.to(hidden.dtype)  # (V, H); a bf16 copy under autocast
+        want_weight = ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for lo in range(0, hidden.shape[1], chunk_size):
+            h = hidden[:, lo:lo + chunk_size]  # (B, C, H)
+            value, g = chunk_value_and_grad(lo, lo + h.shape[1], h @ w.T)  # (), (B, C, V)
+            total += value
+            g = g.to(w.dtype)
+            grad_hidden[:, lo:lo + chunk_size] = g @ w
+            if want_weight:
+                grad_weight.addmm_(g.flatten(0, 1).T.float(), h.flatten(0, 1).float())
+        ctx.save_for_backward(grad_hidden, *([grad_weight] if want_weight else []))
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, *rest = ctx.saved_tensors
+        grad_weight = rest[0].mul_(grad_output).to(ctx.weight_dtype) if rest else None
+        return grad_hidden.mul_(grad_output.to(grad_hidden.dtype)), grad_weight, None, None
+
+
+def fused_head_loss(hidden, weight, chunk_value_and_grad: Callable, chunk_size: int) -> torch.Tensor:
+    """sum over chunks [lo, hi) of T of `chunk_value_and_grad(lo, hi, logits)`, logits = hidden @ weight.T.
+
+    `hidden` (B, T, H) the draft's last hidden states, `weight` (V, H) its output head;
+    `chunk_value_and_grad(lo, hi, logits (B, C, V)) -> (value (), d value / d logits (B, C, V))`, for
+    instance a weighted sum of `divergence_value_and_grad` and `ce_value_and_grad`. The draft's
+    full-vocabulary logits never exist: memory holds one chunk of them, and the gradients of `hidden`
+    (B, T, H) and of `weight` when it is trained.
+    """
+    return _FusedHeadLoss.apply(hidden, weight, chunk_value_and_grad, max(chunk_size, 1))
 
 
 def _divergence(per_token: Callable, draft_logits, target_logits, mask, temperature, reduction, chunk_size, name, **kw):
@@ -131,22 +202,7 @@ def _divergence(per_token: Callable, draft_logits, target_logits, mask, temperat
         return (per_token(log_q, log_p, **kw) * m.float()).sum()
 
     if chunk_size > 0 and torch.is_grad_enabled() and draft_logits.requires_grad:
-
-        def loss_and_grad(d, t, m):  # value () and d value / d d, (B, C, V)
-            with torch.no_grad():
-                log_q = F.log_softmax(d.float() / temperature, dim=-1)
-                log_p = F.log_softmax(t.float() / temperature, dim=-1)
-                m = m.float()
-                value = (per_token(log_q, log_p, **kw) * m).sum()
-                q, p = log_q.exp(), log_p.exp()
-                if name == "forward_kl":
-                    g = q - p
-                else:
-                    score = SCORES[name](log_q, log_p, q, p, **kw)
-                    g = q * (score - (q * score).sum(-1, keepdim=True))
-                g = g * (m[..., None] / temperature)
-            return value, g.to(d.dtype)
-
+        loss_and_grad = functools.partial(divergence_value_and_grad, name, temperature=temperature, **kw)
         total = _FusedChunkedLoss.apply(draft_logits, loss_and_grad, (target_logits.detach(), mask), chunk_size)
         return _reduce(total, count, reduction)
     total = _chunked_sum(chunk_sum, (draft_logits, target_logits.detach(), mask), 0 if chunk_size <= 0 else chunk_size)
@@ -188,17 +244,7 @@ def sequence_ce(draft_logits, labels, mask=None, *, reduction="mean", chunk_size
         return (ce * m.float()).sum()
 
     if chunk_size > 0 and torch.is_grad_enabled() and draft_logits.requires_grad:
-
-        def loss_and_grad(d, y, m):  # d CE / d z = softmax(z) - onehot(y)
-            with torch.no_grad():
-                log_q = F.log_softmax(d.float(), dim=-1)
-                m = m.float()
-                value = -(log_q.gather(-1, y[..., None]).squeeze(-1) * m).sum()
-                g = log_q.exp()
-                g.scatter_add_(-1, y[..., None], -torch.ones_like(g[..., :1]))
-                g = g * m[..., None]
-            return value, g.to(d.dtype)
-
+        loss_and_grad = ce_value_and_grad
         total = _FusedChunkedLoss.apply(draft_logits, loss_and_grad, (labels, mask), chunk_size)
     else:
         total = _chunked_sum(chunk_sum, (draft_logits, labels, mask), 0)
