@@ -12,6 +12,7 @@ Conventions (also written into every report, see CONVENTIONS):
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -60,29 +61,40 @@ class Costs:
         }
 
 
-def _time_forward(lm: CachedLM, prompt_ids: list[int], n_tokens: int, repeats: int) -> float:
+def _time_once(lm: CachedLM, tokens: list[int]) -> float:
     base = lm.length
-    times = []
-    for _ in range(repeats + 1):  # the first call warms up
-        _sync(lm.device)
-        start = time.perf_counter()
-        lm.forward(prompt_ids[:n_tokens], keep=n_tokens)
-        _sync(lm.device)
-        times.append(time.perf_counter() - start)
-        lm.crop(base)
-    return sorted(times[1:])[len(times[1:]) // 2]
+    _sync(lm.device)
+    start = time.perf_counter()
+    lm.forward(tokens, keep=len(tokens))
+    _sync(lm.device)
+    elapsed = time.perf_counter() - start
+    lm.crop(base)
+    return elapsed
 
 
 @torch.no_grad()
-def measure_costs(target, draft, prefix_ids: list[int], *, k_max: int = 8, repeats: int = 5) -> Costs:
-    """Time one draft token and target passes over 1..k_max+1 tokens after a cached `prefix_ids`."""
+def measure_costs(target, draft, prefix_ids: list[int], *, k_max: int = 8, repeats: int = 11) -> Costs:
+    """Time one draft token and target passes over 1..k_max+1 tokens after a cached `prefix_ids`.
+
+    The passes are timed round-robin (draft, target m = 1, 2, ...), `repeats` rounds after one warm-up
+    round, and each cost is the median: a slow moment of the machine hits every m alike instead of
+    one of them.
+    """
     vocab = min(output_vocab_size(target), output_vocab_size(draft))
     probe = (prefix_ids * (1 + (k_max + 1) // max(len(prefix_ids), 1)))[: k_max + 1]
     target_lm, draft_lm = CachedLM(target, vocab), CachedLM(draft, vocab)
     target_lm.forward(prefix_ids, keep=1)
     draft_lm.forward(prefix_ids, keep=1)
-    t_target = {m: _time_forward(target_lm, probe, m, repeats) for m in range(1, k_max + 2)}
-    return Costs(t_draft=_time_forward(draft_lm, probe, 1, repeats), t_target=t_target)
+    sizes = range(1, k_max + 2)
+    draft_times, target_times = [], {m: [] for m in sizes}
+    for round_ in range(repeats + 1):
+        draft_time = _time_once(draft_lm, probe[:1])
+        times = {m: _time_once(target_lm, probe[:m]) for m in sizes}
+        if round_ > 0:  # the first round warms up
+            draft_times.append(draft_time)
+            for m in sizes:
+                target_times[m].append(times[m])
+    return Costs(t_draft=statistics.median(draft_times), t_target={m: statistics.median(t) for m, t in target_times.items()})
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -150,10 +150,23 @@ class DecodeResult:
         return ratio(self.tokens_generated, self.rounds)
 
 
+def sample(probs: torch.Tensor, generator=None) -> torch.Tensor:
+    """One index per row drawn from `probs` (..., V) -> (...), by inverting the cumulative distribution.
+
+    The same distribution as `torch.multinomial(probs, 1)`, which on a CPU takes ~0.8 ms for one row of
+    49,152 (several times a round of speculative decoding); a float64 cumulative sum and a binary
+    search take a fraction of that. A token of probability 0 is never drawn: the cumulative sum does
+    not rise at it, and the search returns the first index whose sum exceeds u.
+    """
+    cdf = probs.double().cumsum(-1)  # (..., V)
+    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, dtype=torch.float64, device=cdf.device) * cdf[..., -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
+
+
 def _pick(probs_or_logits: torch.Tensor, sampling: Sampling, generator) -> torch.Tensor:
     if sampling.greedy:
         return probs_or_logits.argmax(-1)
-    return torch.multinomial(probs_or_logits, 1, generator=generator).squeeze(-1)
+    return sample(probs_or_logits, generator)
 
 
 def _finish(tokens: list[int], new: list[int], eos: set[int]) -> bool:
@@ -298,7 +311,7 @@ def speculative_decode(
             extra = int(p_pick[n_accept])
         elif n_accept < k_round:
             residual = residual_distribution(p_all[n_accept], q_all[n_accept])
-            extra = int(torch.multinomial(residual, 1, generator=generator))
+            extra = int(sample(residual, generator))
         else:
             extra = int(_pick(p_all[k_round], sampling, generator))
 

@@ -73,3 +73,16 @@ def test_broken_residual_is_detected(pair, monkeypatch):
     expected = exact_two_token_distribution(target, sampling).flatten() * N
     counts = sample_counts(target, draft, sampling, k=1)
     assert chi_square_pvalue(counts, expected) < 1e-3
+
+
+def test_sample_draws_from_the_distribution_and_never_a_zero_probability_token():
+    from eval.speculative import sample
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(probs, g) for _ in range(4000)])
+    counts = torch.bincount(draws, minlength=6).float()
+    assert counts[[0, 2, 5]].sum() == 0
+    torch.testing.assert_close(counts / 4000, probs, atol=0.03, rtol=0)
+    rows = sample(torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), g)  # one index per row
+    assert rows.tolist() == [1, 2]
