@@ -293,7 +293,9 @@ def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = 
     if _fused_head_weight(recipe, draft) is not None:
         return fused_batch_losses(recipe, draft, target, batch, device, on_policy, cached)
     draft_logits = _model_logits(draft, batch, device)
-    if on_policy or recipe.distill.target_signal == "online":
+    if not _reads_target(recipe):  # sequence_ce alone learns from the target's text, not its distribution
+        target_logits = None
+    elif on_policy or recipe.distill.target_signal == "online":
         with torch.no_grad():
             target_logits = _model_logits(target, batch, device)
         # Same tokenizer, but the embedding matrices may be padded to different sizes (Qwen2.5 0.5B has
@@ -304,6 +306,10 @@ def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = 
         vocab = draft_logits.shape[-1]
         target_logits = cached_target_logits(batch, *cached, vocab, draft_logits.dtype).to(device)
     return loss_terms(recipe, draft_logits, target_logits, batch, on_policy)
+
+
+def _reads_target(recipe) -> bool:
+    return any(name != "sequence_ce" for name in recipe.distill.losses)
 
 
 def _unwrapped(model):
@@ -354,7 +360,9 @@ def fused_batch_losses(recipe, draft, target, batch: Batch, device, on_policy: b
     hidden = _last_hidden(draft, batch, device)[keep][None]  # (1, N, H)
     labels = batch.input_ids[:, batch.first + 1:].to(device)[keep][None]  # (1, N)
     vocab = weight.shape[0]
-    if on_policy or section.target_signal == "online":
+    if not _reads_target(recipe):
+        target_chunk = None
+    elif on_policy or section.target_signal == "online":
         with torch.no_grad():
             target_weight = _fused_head_weight(recipe, target)
             if target_weight is not None:  # the target's logits are made chunk by chunk too
@@ -373,7 +381,7 @@ def fused_batch_losses(recipe, draft, target, batch: Batch, device, on_policy: b
     values = {name: torch.zeros((), device=device) for name in active}
 
     def chunk_value_and_grad(lo, hi, logits):  # (1, C, V) -> (), (1, C, V)
-        target_logits = target_chunk(lo, hi) if any(name != "sequence_ce" for name in active) else None
+        target_logits = target_chunk(lo, hi) if target_chunk is not None else None
         ones = logits.new_ones(logits.shape[:2], dtype=torch.float32)
         grad = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         chunk_value = torch.zeros((), device=logits.device)

@@ -176,6 +176,8 @@ class DistillSection:
         _check(0 <= self.jsd_beta <= 1, "jsd_beta", "must be in [0, 1]")
         _check(self.temperature > 0, "temperature", "must be > 0")
         _check(0 <= self.on_policy_lambda <= 1, "on_policy_lambda", "must be in [0, 1]")
+        _check(self.on_policy_lambda == 0 or any(name != "sequence_ce" for name in self.losses), "on_policy_lambda",
+               "on-policy batches learn from a divergence (draft-written text is no target); add one to 'losses'")
         _check(self.lr > 0, "lr", "must be > 0")
         _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
         _check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
