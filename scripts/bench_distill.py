@@ -123,7 +123,7 @@ def main():
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--chunk-size", type=int, default=32, help="chunk length of the chunked runs")
+    parser.add_argument("--chunk-size", type=int, default=64, help="chunk length of the chunked runs")
     parser.add_argument("--topk", type=int, default=20, help="cached log-probs per position")
     parser.add_argument("--losses", default=",".join(LOSSES))
     parser.add_argument("--signals", default="online,cached")

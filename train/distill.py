@@ -383,8 +383,7 @@ def fused_batch_losses(recipe, draft, target, batch: Batch, device, on_policy: b
     def chunk_value_and_grad(lo, hi, logits):  # (1, C, V) -> (), (1, C, V)
         target_logits = target_chunk(lo, hi) if target_chunk is not None else None
         ones = logits.new_ones(logits.shape[:2], dtype=torch.float32)
-        grad = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        chunk_value = torch.zeros((), device=logits.device)
+        grad, chunk_value = None, torch.zeros((), device=logits.device)
         for name, w in active.items():
             if name == "sequence_ce":
                 value, g = L.ce_value_and_grad(logits, labels[:, lo:hi], ones)
@@ -394,7 +393,8 @@ def fused_batch_losses(recipe, draft, target, batch: Batch, device, on_policy: b
                                                        temperature=section.temperature, **kwargs)
             values[name] += w * value
             chunk_value += w * value
-            grad.add_(g, alpha=w)
+            grad = g.mul_(w) if grad is None else grad.add_(g, alpha=w)
+            del g
         return chunk_value, grad
 
     total = L.fused_head_loss(hidden, weight[:vocab], chunk_value_and_grad, section.loss_chunk_size)

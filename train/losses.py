@@ -92,23 +92,34 @@ SCORES = {"reverse_kl": _score_reverse_kl, "tvd": _score_tvd, "jsd": _score_jsd}
 PER_TOKEN = {"forward_kl": _forward_kl, "reverse_kl": _reverse_kl, "jsd": _jsd, "tvd": _tvd}
 
 
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits / temperature, without a copy when there is nothing to change."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 @torch.no_grad()
 def divergence_value_and_grad(name: str, d, t, m, *, temperature: float = 1.0, **kw):
     """Sum over positions of divergence `name` and its gradient with respect to the draft logits `d`.
 
     `d`, `t` (B, C, V) draft and target logits, `m` (B, C) mask -> (value (), gradient (B, C, V) float32).
+    Written to hold few (B, C, V) float32 buffers at once (in-place where a buffer is done with).
     """
-    log_q = F.log_softmax(d.float() / temperature, dim=-1)
-    log_p = F.log_softmax(t.float() / temperature, dim=-1)
+    log_q = F.log_softmax(_tempered(d, temperature), dim=-1)
+    log_p = F.log_softmax(_tempered(t, temperature), dim=-1)
     m = m.float()
-    value = (PER_TOKEN[name](log_q, log_p, **kw) * m).sum()
-    q, p = log_q.exp(), log_p.exp()
     if name == "forward_kl":
-        g = q - p
+        p = log_p.exp()
+        terms = (log_p - log_q).mul_(p).masked_fill_(p == 0, 0.0)  # p (log p - log q), 0 log 0 = 0
+        value = (terms.sum(-1) * m).sum()
+        del terms, log_p
+        g = log_q.exp_().sub_(p)  # dL/dz = (q - p) / T
     else:
+        value = (PER_TOKEN[name](log_q, log_p, **kw) * m).sum()
+        q, p = log_q.exp(), log_p.exp()
         score = SCORES[name](log_q, log_p, q, p, **kw)
-        g = q * (score - (q * score).sum(-1, keepdim=True))
-    return value, g * (m[..., None] / temperature)
+        g = q.mul_(score.sub_((q * score).sum(-1, keepdim=True)))
+    return value, g.mul_(m[..., None] / temperature)
 
 
 @torch.no_grad()
@@ -118,9 +129,9 @@ def ce_value_and_grad(d, y, m):
     log_q = F.log_softmax(d.float(), dim=-1)
     m = m.float()
     value = -(log_q.gather(-1, y[..., None]).squeeze(-1) * m).sum()
-    g = log_q.exp()
+    g = log_q.exp_()
     g.scatter_add_(-1, y[..., None], -torch.ones_like(g[..., :1]))
-    return value, g * m[..., None]
+    return value, g.mul_(m[..., None])
 
 
 class _FusedChunkedLoss(torch.autograd.Function):

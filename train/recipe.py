@@ -157,8 +157,8 @@ class DistillSection:
     grad_accum: int = 1
     max_grad_norm: float = 1.0
     max_seq_len: int = 512
-    loss_chunk_size: int = 32
-    """Positions per chunk when computing losses over long vocabularies (0: no chunking)."""
+    loss_chunk_size: int = 64
+    """Loss positions per chunk: the draft's head runs inside the loss, one chunk of logits at a time (0: full logits)."""
     checkpoint_every: int = 50
     keep_checkpoints: int = 0
     """Keep the newest N checkpoints, plus the best measured one (0: keep all)."""
