@@ -153,9 +153,9 @@ class DecodeResult:
 def sample(probs: torch.Tensor, generator=None) -> torch.Tensor:
     """One index per row drawn from `probs` (..., V) -> (...), by inverting the cumulative distribution.
 
-    The same distribution as `torch.multinomial(probs, 1)`, which on a CPU takes ~0.8 ms for one row of
-    49,152 (several times a round of speculative decoding); a float64 cumulative sum and a binary
-    search take a fraction of that. A token of probability 0 is never drawn: the cumulative sum does
+    The same distribution as `torch.multinomial(probs, 1)`, which on a CPU is slow for one row of a large
+    vocabulary (and runs several times a round of speculative decoding); a float64 cumulative sum and a
+    binary search take a fraction of its time. A token of probability 0 is never drawn: the cumulative sum does
     not rise at it, and the search returns the first index whose sum exceeds u.
     """
     cdf = probs.double().cumsum(-1)  # (..., V)
