@@ -290,8 +290,9 @@ def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = 
     batches) or from the cached top-k log-probs `cached = (topk_ids, topk_logprobs)`. With
     `loss_chunk_size` > 0 the draft's head runs inside the loss, chunk by chunk (`fused_batch_losses`).
     """
-    if _fused_head_weight(recipe, draft) is not None:
-        return fused_batch_losses(recipe, draft, target, batch, device, on_policy, cached)
+    head_weight = _fused_head_weight(recipe, draft)
+    if head_weight is not None:
+        return fused_batch_losses(recipe, draft, head_weight, target, batch, device, on_policy, cached)
     draft_logits = _model_logits(draft, batch, device)
     if not _reads_target(recipe):  # sequence_ce alone learns from the target's text, not its distribution
         target_logits = None
@@ -306,6 +307,14 @@ def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = 
         vocab = draft_logits.shape[-1]
         target_logits = cached_target_logits(batch, *cached, vocab, draft_logits.dtype).to(device)
     return loss_terms(recipe, draft_logits, target_logits, batch, on_policy)
+
+
+def _active_losses(section, on_policy: bool) -> list[tuple[str, float, dict]]:
+    """(name, weight, keyword arguments) of each loss term this batch computes."""
+    return [(name, weight, {"beta": section.jsd_beta} if name == "jsd" else {})
+            for name, weight in section.losses.items()
+            # draft-written tokens are not targets; on-policy batches learn from the divergences only
+            if not (on_policy and name == "sequence_ce")]
 
 
 def _reads_target(recipe) -> bool:
@@ -345,17 +354,17 @@ def _last_hidden(model, batch: Batch, device) -> torch.Tensor:
     return captured[-1][:, batch.first:-1]
 
 
-def fused_batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = False, cached=None) -> dict:
+def fused_batch_losses(recipe, draft, weight, target, batch: Batch, device, on_policy: bool = False, cached=None) -> dict:
     """`batch_losses` with the draft's head inside the loss (`losses.fused_head_loss`).
 
     Only the N loss positions of the micro-batch are kept (padding and prompt positions are dropped),
     and over chunks of `loss_chunk_size` of them the draft's logits, the target's (from its hidden
     states online, from the top-k cache otherwise) and every loss term's gradient exist for one chunk
-    at a time. Returns the same weighted sums as `loss_terms`; their sum carries the gradient of all
-    terms (the first term holds it), so backpropagate the sum, as the loop does.
+    at a time. `weight` is the draft's head weight (`_fused_head_weight`). Returns the same weighted
+    sums as `loss_terms`; their sum carries the gradient of all terms (the first term holds it), so
+    backpropagate the sum, as the loop does.
     """
     section = recipe.distill
-    weight = _fused_head_weight(recipe, draft)
     keep = batch.loss_mask[:, batch.first:].bool().to(device)  # (B, T)
     hidden = _last_hidden(draft, batch, device)[keep][None]  # (1, N, H)
     labels = batch.input_ids[:, batch.first + 1:].to(device)[keep][None]  # (1, N)
@@ -377,18 +386,17 @@ def fused_batch_losses(recipe, draft, target, batch: Batch, device, on_policy: b
     else:
         topk_ids, topk_lp = masked_topk(batch, *cached)
         target_chunk = lambda lo, hi: topk_to_logprobs(topk_ids[lo:hi], topk_lp[lo:hi], vocab)[None].to(device)  # noqa: E731
-    active = {name: w for name, w in section.losses.items() if not (on_policy and name == "sequence_ce")}
-    values = {name: torch.zeros((), device=device) for name in active}
+    active = _active_losses(section, on_policy)
+    values = {name: torch.zeros((), device=device) for name, _, _ in active}
 
     def chunk_value_and_grad(lo, hi, logits):  # (1, C, V) -> (), (1, C, V)
         target_logits = target_chunk(lo, hi) if target_chunk is not None else None
         ones = logits.new_ones(logits.shape[:2], dtype=torch.float32)
         grad, chunk_value = None, torch.zeros((), device=logits.device)
-        for name, w in active.items():
+        for name, w, kwargs in active:
             if name == "sequence_ce":
                 value, g = L.ce_value_and_grad(logits, labels[:, lo:hi], ones)
             else:
-                kwargs = {"beta": section.jsd_beta} if name == "jsd" else {}
                 value, g = L.divergence_value_and_grad(name, logits, target_logits, ones,
                                                        temperature=section.temperature, **kwargs)
             values[name] += w * value
@@ -410,14 +418,11 @@ def loss_terms(recipe, draft_logits, target_logits, batch: Batch, on_policy: boo
     section = recipe.distill
     mask = batch.loss_mask[:, batch.first:].to(draft_logits.device)
     terms = {}
-    for name, weight in section.losses.items():
+    for name, weight, kwargs in _active_losses(section, on_policy):
         if name == "sequence_ce":
-            if on_policy:
-                continue  # draft-written tokens are not targets; on-policy batches learn from the divergences only
             labels = batch.input_ids[:, batch.first + 1:].to(draft_logits.device)
             value = L.sequence_ce(draft_logits, labels, mask, reduction="sum", chunk_size=section.loss_chunk_size)
         else:
-            kwargs = {"beta": section.jsd_beta} if name == "jsd" else {}
             value = L.DIVERGENCES[name](draft_logits, target_logits, mask, temperature=section.temperature,
                                         reduction="sum", chunk_size=section.loss_chunk_size, **kwargs)
         terms[name] = weight * value

@@ -200,7 +200,7 @@ def fused_head_loss(hidden, weight, chunk_value_and_grad: Callable, chunk_size: 
     return _FusedHeadLoss.apply(hidden, weight, chunk_value_and_grad, max(chunk_size, 1))
 
 
-def _divergence(per_token: Callable, draft_logits, target_logits, mask, temperature, reduction, chunk_size, name, **kw):
+def _divergence(name: str, draft_logits, target_logits, mask, temperature, reduction, chunk_size, **kw):
     if draft_logits.shape != target_logits.shape:
         raise ValueError(f"draft logits {tuple(draft_logits.shape)} and target logits {tuple(target_logits.shape)} differ")
     if mask is None:
@@ -210,7 +210,7 @@ def _divergence(per_token: Callable, draft_logits, target_logits, mask, temperat
     def chunk_sum(d, t, m):  # (B, C, V), (B, C, V), (B, C) -> ()
         log_q = F.log_softmax(d.float() / temperature, dim=-1)
         log_p = F.log_softmax(t.float() / temperature, dim=-1)
-        return (per_token(log_q, log_p, **kw) * m.float()).sum()
+        return (PER_TOKEN[name](log_q, log_p, **kw) * m.float()).sum()
 
     if chunk_size > 0 and torch.is_grad_enabled() and draft_logits.requires_grad:
         loss_and_grad = functools.partial(divergence_value_and_grad, name, temperature=temperature, **kw)
@@ -222,24 +222,24 @@ def _divergence(per_token: Callable, draft_logits, target_logits, mask, temperat
 
 def forward_kl(draft_logits, target_logits, mask=None, *, temperature=1.0, reduction="mean", chunk_size=0):
     """KL(p_target || p_draft) = sum_x p_target(x) log(p_target(x) / p_draft(x)), per position."""
-    return _divergence(_forward_kl, draft_logits, target_logits, mask, temperature, reduction, chunk_size, "forward_kl")
+    return _divergence("forward_kl", draft_logits, target_logits, mask, temperature, reduction, chunk_size)
 
 
 def reverse_kl(draft_logits, target_logits, mask=None, *, temperature=1.0, reduction="mean", chunk_size=0):
     """KL(p_draft || p_target) = sum_x p_draft(x) log(p_draft(x) / p_target(x)), per position."""
-    return _divergence(_reverse_kl, draft_logits, target_logits, mask, temperature, reduction, chunk_size, "reverse_kl")
+    return _divergence("reverse_kl", draft_logits, target_logits, mask, temperature, reduction, chunk_size)
 
 
 def jsd(draft_logits, target_logits, mask=None, *, beta=0.5, temperature=1.0, reduction="mean", chunk_size=0):
     """beta KL(p_target || m) + (1 - beta) KL(p_draft || m), m = beta p_target + (1 - beta) p_draft (GKD)."""
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
-    return _divergence(_jsd, draft_logits, target_logits, mask, temperature, reduction, chunk_size, "jsd", beta=beta)
+    return _divergence("jsd", draft_logits, target_logits, mask, temperature, reduction, chunk_size, beta=beta)
 
 
 def tvd(draft_logits, target_logits, mask=None, *, temperature=1.0, reduction="mean", chunk_size=0):
     """1/2 sum_x |p_target(x) - p_draft(x)| = 1 - alpha (the per-position acceptance probability)."""
-    return _divergence(_tvd, draft_logits, target_logits, mask, temperature, reduction, chunk_size, "tvd")
+    return _divergence("tvd", draft_logits, target_logits, mask, temperature, reduction, chunk_size)
 
 
 def sequence_ce(draft_logits, labels, mask=None, *, reduction="mean", chunk_size=0):
