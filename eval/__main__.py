@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from eval.draft_vocab import FILENAME, load_draft_vocab
 from eval.report import EvalSettings, evaluate_pair, summary_text
 from train.errors import UserError, cli_main
 from train.models import check_model_vocab, check_same_tokenizer, load_model, load_tokenizer, pick_device
@@ -60,6 +61,8 @@ def parse_args(argv=None):
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--out", default=None, help="output directory (default: runs/eval/<draft name>)")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--full-draft-vocab", action="store_true",
+                        help="ignore the draft's draft_vocab.json (a reduced head from training) and score every token")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -82,10 +85,19 @@ def main(argv=None):
     settings = EvalSettings(k=args.k, temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
                             top_k=args.top_k, top_p=args.top_p, fallback_window=args.fallback_window,
                             fallback_threshold=args.fallback_threshold, seed=args.seed)
+    draft_vocab = None
+    if not args.full_draft_vocab and Path(args.draft).is_dir():
+        try:
+            draft_vocab = load_draft_vocab(args.draft)
+        except ValueError as exc:
+            raise UserError(f"{exc} (or pass --full-draft-vocab)") from None
+        if draft_vocab is not None and max(draft_vocab) >= len(target_tok):
+            raise UserError(f"{Path(args.draft) / FILENAME}: token id {max(draft_vocab)} is outside the target's "
+                            f"vocabulary of {len(target_tok)}")
     out = Path(args.out) if args.out else Path("runs") / "eval" / Path(args.draft.rstrip("/")).name
     torch.manual_seed(args.seed)
     report = evaluate_pair(target, draft, target_tok, prompts, settings, target_name=args.target, draft_name=args.draft,
-                           out_dir=out, progress=not args.quiet, plots=not args.no_plots)
+                           out_dir=out, progress=not args.quiet, plots=not args.no_plots, draft_vocab=draft_vocab)
     print(summary_text(report))
     print(f"\nwrote {out}/report.json, {out}/requests.jsonl and plots")
 

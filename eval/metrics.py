@@ -73,16 +73,19 @@ def _time_once(lm: CachedLM, tokens: list[int]) -> float:
 
 
 @torch.no_grad()
-def measure_costs(target, draft, prefix_ids: list[int], *, k_max: int = 8, repeats: int = 11) -> Costs:
+def measure_costs(target, draft, prefix_ids: list[int], *, k_max: int = 8, repeats: int = 11,
+                  draft_vocab: torch.Tensor | None = None) -> Costs:
     """Time one draft token and target passes over 1..k_max+1 tokens after a cached `prefix_ids`.
+
+    `draft_vocab`: the ids a restricted draft head scores (`speculative_decode`'s argument of that name).
 
     The passes are timed round-robin (draft, target m = 1, 2, ...), `repeats` rounds after one warm-up
     round, and each cost is the median: a slow moment of the machine hits every m alike instead of
     one of them.
     """
-    vocab = min(output_vocab_size(target), output_vocab_size(draft))
+    vocab = output_vocab_size(target) if draft_vocab is not None else min(output_vocab_size(target), output_vocab_size(draft))
     probe = (prefix_ids * (1 + (k_max + 1) // max(len(prefix_ids), 1)))[: k_max + 1]
-    target_lm, draft_lm = CachedLM(target, vocab), CachedLM(draft, vocab)
+    target_lm, draft_lm = CachedLM(target, vocab), CachedLM(draft, vocab, draft_vocab)
     target_lm.forward(prefix_ids, keep=1)
     draft_lm.forward(prefix_ids, keep=1)
     sizes = range(1, k_max + 2)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from eval.draft_vocab import restricted_head
 from eval.metrics import CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, predicted_speedup
 from eval.packed import packed_linears
 from eval.speculative import Sampling, speculative_decode, vanilla_decode
@@ -99,8 +100,12 @@ def evaluate_pair(
     out_dir: str | Path | None = None,
     progress: bool = True,
     plots: bool = True,
+    draft_vocab: list[int] | None = None,
 ) -> dict:
-    """Decode every prompt at every temperature with and without the draft; return (and write) the report."""
+    """Decode every prompt at every temperature with and without the draft; return (and write) the report.
+
+    `draft_vocab`: token ids the draft's head is restricted to (`eval.draft_vocab`); None: its full head.
+    """
     if not prompts:
         raise ValueError("no prompts to evaluate")
     pair = f"{target_name} <- {draft_name}"
@@ -108,13 +113,14 @@ def evaluate_pair(
     vocab = len(tokenizer)
     encoded = [encode_prompt(tokenizer, p, settings.max_prompt_tokens) for p in prompts]
 
-    with packed_linears(target), packed_linears(draft):
+    device = next(target.parameters()).device
+    sub_ids = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long, device=device)
+    with packed_linears(target), restricted_head(draft, draft_vocab), packed_linears(draft):
         # Warm both models up (first calls allocate), then measure the costs on a real prompt.
-        speculative_decode(target, draft, encoded[0], k=settings.k, max_new_tokens=4, vocab_size=vocab)
-        costs = measure_costs(target, draft, encoded[0], k_max=max(8, settings.k))
+        speculative_decode(target, draft, encoded[0], k=settings.k, max_new_tokens=4, vocab_size=vocab, draft_vocab=sub_ids)
+        costs = measure_costs(target, draft, encoded[0], k_max=max(8, settings.k), draft_vocab=sub_ids)
 
         records = []
-        device = next(target.parameters()).device
         bar = tqdm(total=len(prompts) * len(settings.temperatures), desc="eval requests", unit="req", disable=not progress)
         for t_index, temperature in enumerate(settings.temperatures):
             sampling = Sampling(temperature, settings.top_k, settings.top_p)
@@ -124,7 +130,8 @@ def evaluate_pair(
                 vanilla = vanilla_decode(target, ids, generator=torch.Generator(device).manual_seed(seed), **common)
                 spec = speculative_decode(
                     target, draft, ids, k=settings.k, generator=torch.Generator(device).manual_seed(seed),
-                    fallback_window=settings.fallback_window, fallback_threshold=settings.fallback_threshold, **common,
+                    fallback_window=settings.fallback_window, fallback_threshold=settings.fallback_threshold,
+                    draft_vocab=sub_ids, **common,
                 )
                 records.append(_request_record(prompt, temperature, settings, pair, spec, vanilla, costs))
                 bar.update(1)
@@ -133,6 +140,7 @@ def evaluate_pair(
 
     report = build_report(records, costs, settings, target_name=target_name, draft_name=draft_name,
                           device=str(device), dtype=str(next(target.parameters()).dtype))
+    report["draft_vocab_size"] = None if draft_vocab is None else len(draft_vocab)
     if out_dir is not None:
         write_report(report, records, out_dir, plots=plots)
     return report
@@ -216,7 +224,8 @@ def summary_text(report: dict) -> str:
     costs = report["costs"]
     k = report["settings"]["k"]
     head = (
-        f"pair: {report['pair']['target']} <- {report['pair']['draft']}   k={k}   device={report['device']} ({report['dtype']})\n"
+        f"pair: {report['pair']['target']} <- {report['pair']['draft']}   k={k}   device={report['device']} ({report['dtype']})"
+        + (f"   draft vocabulary: {report['draft_vocab_size']} tokens" if report.get("draft_vocab_size") else "") + "\n"
         f"costs: draft {costs['t_draft_ms']:.1f} ms/token, target {costs['t_target_ms']['1']:.1f} ms (1 token), "
         f"{costs['t_target_ms'][str(k + 1)]:.1f} ms ({k + 1} tokens), c = {costs['c']:.3f}\n"
     )

@@ -76,13 +76,18 @@ def cache_kwarg(model) -> str:
 
 
 class CachedLM:
-    """A causal LM and its KV cache; `forward` appends tokens, `crop` rolls back to a length."""
+    """A causal LM and its KV cache; `forward` appends tokens, `crop` rolls back to a length.
 
-    def __init__(self, model, vocab_size: int):
+    `token_ids`: the model's head scores only these ids (a reduced draft vocabulary, `eval.draft_vocab`);
+    its logits are placed at their ids in a row of -inf, so every other token has probability 0.
+    """
+
+    def __init__(self, model, vocab_size: int, token_ids: torch.Tensor | None = None):
         from transformers import DynamicCache
 
         self.model = model
         self.vocab_size = vocab_size
+        self.token_ids = token_ids
         self.cache = DynamicCache(config=model.config)
         self.device = next(model.parameters()).device
         self.cache_kwarg = cache_kwarg(model)
@@ -96,7 +101,11 @@ class CachedLM:
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self.cache_kwarg: self.cache})
         # A model spread over several GPUs (device_map) returns logits on its last one: bring them home.
-        return out.logits[0, -keep:, : self.vocab_size].to(self.device)
+        logits = out.logits[0, -keep:].to(self.device)
+        if self.token_ids is None:
+            return logits[:, : self.vocab_size]
+        full = logits.new_full((keep, self.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.token_ids, logits)
 
     def crop(self, length: int) -> None:
         extra = self.length - length
@@ -250,17 +259,22 @@ def speculative_decode(
     fallback_window: int = 0,
     fallback_threshold: float = 0.0,
     vocab_size: int | None = None,
+    draft_vocab: torch.Tensor | None = None,
 ) -> DecodeResult:
     """Decode one request with `draft` proposing `k` tokens a round and `target` verifying them.
 
     `vocab_size`: the shared vocabulary (logits beyond it, padding rows of one model, are ignored).
+    `draft_vocab`: the token ids the draft's head scores, in its order, when it runs under
+    `eval.draft_vocab.restricted_head` (None: the full vocabulary).
     `fallback_window`/`fallback_threshold`: when the mean of the last `fallback_window` acceptance
     outcomes falls below the threshold, the request finishes with vanilla decoding.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    vocab = vocab_size or min(output_vocab_size(target), output_vocab_size(draft))
-    p_lm, q_lm = CachedLM(target, vocab), CachedLM(draft, vocab)
+    if vocab_size is None:  # a restricted head's rows are not the vocabulary
+        vocab_size = output_vocab_size(target) if draft_vocab is not None else min(output_vocab_size(target), output_vocab_size(draft))
+    vocab = vocab_size
+    p_lm, q_lm = CachedLM(target, vocab), CachedLM(draft, vocab, draft_vocab)
     eos = set(eos_token_ids)
     result = DecodeResult([], 0.0, slot_reached=[0] * k, slot_accepted=[0] * k, slot_rounds=[0] * k)
     outcomes: deque[int] = deque(maxlen=max(fallback_window, 1))

@@ -24,8 +24,11 @@ def eval_prompts(recipe):
     return spread(prompts, section.num_prompts)
 
 
-def run_eval_stage(recipe, target, draft, tokenizer, draft_name: str, run_dir: Path, tag: str = "init") -> dict:
-    """Evaluate `draft` into RUN/eval/<tag>/; a finished report (report.json present) is not redone."""
+def run_eval_stage(recipe, target, draft, tokenizer, draft_name: str, run_dir: Path, tag: str = "init",
+                   draft_vocab: list[int] | None = None) -> dict:
+    """Evaluate `draft` into RUN/eval/<tag>/; a finished report (report.json present) is not redone.
+
+    `draft_vocab`: the reduced draft vocabulary the draft was trained on (None: its full head)."""
     out = Path(run_dir) / "eval" / tag
     if (out / "report.json").is_file():
         log(f"eval of '{tag}' already done ({out}/report.json); skipped")
@@ -34,7 +37,7 @@ def run_eval_stage(recipe, target, draft, tokenizer, draft_name: str, run_dir: P
     was_training = draft.training
     draft.eval()
     report = evaluate_pair(target, draft, tokenizer, eval_prompts(recipe), settings,
-                           target_name=recipe.target.model, draft_name=draft_name, out_dir=out)
+                           target_name=recipe.target.model, draft_name=draft_name, out_dir=out, draft_vocab=draft_vocab)
     draft.train(was_training)
     print(summary_text(report))
     return report

@@ -82,7 +82,8 @@ def full_run(tmp_path_factory, tiny_target_dir):
     run_dir = tmp / "full"
     recipe = write_recipe(tmp, tiny_target_dir, run_dir, stages=("generate", "distill", "eval", "export"), tracking="wandb")
     data = json.loads(recipe.read_text())
-    recipe.write_text(json.dumps({**data, "export": {"wandb_artifact": True}}))
+    # A reduced draft vocabulary of 120 of the 300 tokens: chosen once, carried by checkpoints and the export.
+    recipe.write_text(json.dumps({**data, "draft": {"layers": [0], "vocab_size": 120}, "export": {"wandb_artifact": True}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(WANDB_API_KEY=SECRET, HF_TOKEN=SECRET, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "train", str(recipe)], cwd=ROOT, capture_output=True, text=True,
@@ -125,6 +126,13 @@ def test_every_checkpoint_is_measured_and_the_best_is_chosen_by_speedup(full_run
         assert report["greedy_identical_to_vanilla"] == 1.0
     best = max(reports, key=lambda t: score(reports[t]))
     assert summary["best"] == best
+    vocab = json.loads((run_dir / "draft_vocab.json").read_text())
+    assert vocab["size"] == len(vocab["ids"]) == 120 and 2 in vocab["ids"]  # EOS always kept
+    assert 0 < vocab["generated_tokens_covered"] <= 1
+    for tag, report in reports.items():
+        assert report["draft_vocab_size"] == 120
+        assert json.loads((run_dir / tag / "draft_vocab.json").read_text())["ids"] == vocab["ids"]
+    assert "draft vocabulary 120 tokens" in proc.stderr
     assert "best" in proc.stdout and "checkpoint-6" in proc.stdout  # the summary table is printed
 
 
@@ -162,7 +170,10 @@ def test_export_is_a_plain_transformers_draft_that_assists_generate(full_run, ti
     assert summary["best"] in card and "| T | alpha |" in card and "| T | domain |" in card and "```yaml" in card
     assert (export / "plots" / "acceptance_by_draft_position.png").is_file() and "plots/acceptance_by_draft_position.png" in card
     assert not list(run_dir.glob(".export*"))
-    draft = AutoModelForCausalLM.from_pretrained(export)  # no project code
+    assert (export / "draft_vocab.json").read_text() == (run_dir / summary["best"] / "draft_vocab.json").read_text()
+    assert "draft_vocab.json" in card
+    draft = AutoModelForCausalLM.from_pretrained(export)  # no project code; the full head
+    assert draft.get_output_embeddings().weight.shape[0] == 300
     tokenizer = AutoTokenizer.from_pretrained(export)
     target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
     for text in ("def add(a, b):", "The river", '{"name": '):
@@ -268,13 +279,14 @@ def test_cached_target_logits_are_distributions_with_the_stored_top_k():
 @pytest.mark.parametrize("signal,on_policy", [("online", False), ("cached", False), ("cached", True)])
 @pytest.mark.parametrize("losses", [{"forward_kl": 1.0, "sequence_ce": 0.5}, {"reverse_kl": 1.0}, {"jsd": 0.7, "tvd": 1.0}])
 @pytest.mark.parametrize("freeze_head", [False, True])
-def test_fused_head_losses_equal_the_plain_path(signal, on_policy, losses, freeze_head, monkeypatch):
+@pytest.mark.parametrize("restricted", [False, True], ids=["full-vocab", "draft-vocab"])
+def test_fused_head_losses_equal_the_plain_path(signal, on_policy, losses, freeze_head, restricted, monkeypatch):
     """loss_chunk_size > 0 runs the draft's head inside the loss, chunk by chunk: same loss terms and the
     same gradients for every draft parameter as the plain path (full logits); the draft's vocabulary is
-    padded past the target's, as Qwen2.5's are."""
+    padded past the target's, as Qwen2.5's are. Also with a reduced draft vocabulary (every other token)."""
     from conftest import make_model
     from train import losses as L
-    from train.distill import Example, batch_losses, collate
+    from train.distill import DraftVocab, Example, batch_losses, collate
     from train.recipe import parse_recipe
 
     fused_calls = []
@@ -294,7 +306,9 @@ def test_fused_head_losses_equal_the_plain_path(signal, on_policy, losses, freez
         draft.get_output_embeddings().weight.requires_grad_(not freeze_head)
         recipe = parse_recipe({"distill": {"losses": losses, "loss_chunk_size": chunk, "target_signal": signal,
                                            "temperature": 1.3}})
-        terms = batch_losses(recipe, draft, target, batch, torch.device("cpu"), on_policy, cached=(topk_ids, topk_lp))
+        restrict = DraftVocab.of(list(range(0, V, 2)), V, "cpu") if restricted else None
+        terms = batch_losses(recipe, draft, target, batch, torch.device("cpu"), on_policy, cached=(topk_ids, topk_lp),
+                             restrict=restrict)
         sum(terms.values()).backward()
         return ({k: v.item() for k, v in terms.items()},
                 {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
@@ -310,6 +324,45 @@ def test_fused_head_losses_equal_the_plain_path(signal, on_policy, losses, freez
     assert ("lm_head.weight" in fused_grads or "model.embed_tokens.weight" in fused_grads) != freeze_head
     for name in plain_grads:
         torch.testing.assert_close(fused_grads[name], plain_grads[name], atol=1e-5, rtol=1e-4)
+
+
+def test_losses_over_a_draft_vocabulary_are_the_restricted_distributions():
+    """With a reduced draft vocabulary both sides are renormalised over its tokens, and a label outside it is
+    no sequence_ce target; the cached top-k rows are the full rows' columns."""
+    from conftest import make_model
+    from train.distill import DraftVocab, Example, batch_losses, collate, topk_to_logprobs
+    from train.recipe import parse_recipe
+
+    V = 30
+    ids = [0, 2, 5, 7, 11, 13, 17, 19, 23, 29]
+    restrict = DraftVocab.of(ids, V, "cpu")
+    g = torch.Generator().manual_seed(1)
+    top_ids = torch.randint(0, V, (6, 4), generator=g)
+    top_lp = torch.randn(6, 4, generator=g).log_softmax(-1) - 0.5
+    torch.testing.assert_close(topk_to_logprobs(top_ids, top_lp, V, restrict), topk_to_logprobs(top_ids, top_lp, V)[:, ids])
+
+    target, draft = make_model(V, layers=1, seed=0).eval(), make_model(V, layers=1, seed=4).eval()
+    batch = collate([Example(ids=[3, 4, 5, 7, 9, 2, 11, 13], start=3, row=0)], pad_id=0)
+    recipe = parse_recipe({"distill": {"losses": {"forward_kl": 1.0, "sequence_ce": 1.0}, "target_signal": "online"}})
+    with torch.no_grad():
+        terms = batch_losses(recipe, draft, target, batch, torch.device("cpu"), restrict=restrict)
+        x = batch.input_ids
+        q = draft(x).logits[0, 2:-1][:, ids].log_softmax(-1)  # positions 2..6 predict tokens 7, 9, 2, 11, 13
+        p = target(x).logits[0, 2:-1][:, ids].log_softmax(-1)
+    assert terms["forward_kl"].item() == pytest.approx((p.exp() * (p - q)).sum().item(), rel=1e-5)
+    inside = [(row, ids.index(t)) for row, t in enumerate([7, 9, 2, 11, 13]) if t in ids]  # 9 is outside
+    assert len(inside) == 4
+    assert terms["sequence_ce"].item() == pytest.approx(-sum(q[r, c].item() for r, c in inside), rel=1e-5)
+
+
+def test_draft_vocabulary_keeps_the_most_probable_tokens_and_eos():
+    from eval.draft_vocab import build_draft_vocab
+
+    rows = [[[5, 6], [5, 7]], [[8, 5]]]
+    lps = [[[-0.1, -2.5], [-0.2, -3.0]], [[-0.5, -1.0]]]  # mass: 5 > 8 > 6 > 7
+    assert build_draft_vocab(rows, lps, 3, vocab=20, always=[19]) == [5, 8, 19]
+    assert build_draft_vocab(rows, lps, 6, vocab=20) == [0, 1, 5, 6, 7, 8]  # filled with the lowest unused ids
+    assert build_draft_vocab(rows, lps, 50, vocab=20) == list(range(20))
 
 
 def test_data_order_covers_every_example_once_per_epoch():

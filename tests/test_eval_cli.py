@@ -86,3 +86,29 @@ def test_alpha_needed_inverts_the_speed_model():
     assert predicted_speedup(needed - 0.01, optimal_k(needed - 0.01, costs), costs) < 1.5
     assert alpha_needed(50.0, costs) is None  # beyond k + 1 tokens per round
     assert Costs.from_dict(costs.to_dict()).t_target == pytest.approx(costs.t_target)
+
+
+def test_eval_reads_the_drafts_vocabulary_file_and_rejects_a_bad_one(tmp_path, tiny_target_dir, tiny_draft_dir, capsys):
+    import shutil
+
+    from eval.draft_vocab import save_draft_vocab
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_draft_dir, draft)
+    save_draft_vocab(draft, list(range(2, 150)))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    common = ["--target", str(tiny_target_dir), "--prompts", str(prompts), "--temperatures", "0,1", "--max-new-tokens", "10",
+              "--quiet", "--no-plots"]
+    eval_main(common + ["--draft", str(draft), "--out", str(tmp_path / "sub")])
+    assert "draft vocabulary: 148 tokens" in capsys.readouterr().out
+    report = json.loads((tmp_path / "sub" / "report.json").read_text())
+    assert report["draft_vocab_size"] == 148 and report["greedy_identical_to_vanilla"] == 1.0
+    eval_main(common + ["--draft", str(draft), "--full-draft-vocab", "--out", str(tmp_path / "full")])
+    assert json.loads((tmp_path / "full" / "report.json").read_text())["draft_vocab_size"] is None
+    save_draft_vocab(draft, [5, 300])  # 300 is past the tiny vocabulary
+    code, line = run_eval(common + ["--draft", str(draft)], capsys)
+    assert code == 2 and "token id 300 is outside" in line
+    (draft / "draft_vocab.json").write_text('{"ids": "all"}')
+    code, line = run_eval(common + ["--draft", str(draft)], capsys)
+    assert code == 2 and "draft_vocab.json" in line and "--full-draft-vocab" in line

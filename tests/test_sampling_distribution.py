@@ -86,3 +86,22 @@ def test_sample_draws_from_the_distribution_and_never_a_zero_probability_token()
     torch.testing.assert_close(counts / 4000, probs, atol=0.03, rtol=0)
     rows = sample(torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), g)  # one index per row
     assert rows.tolist() == [1, 2]
+
+
+def test_sampled_output_follows_target_with_a_reduced_draft_vocabulary(pair):
+    """The draft proposes from half the tokens only (q = 0 on the rest): the output still follows p_target."""
+    from eval.draft_vocab import restricted_head
+
+    target, draft = pair
+    sampling = Sampling(1.0)
+    ids = [0, 2, 3, 6]
+    g = torch.Generator().manual_seed(99)
+    counts = torch.zeros(V * V, dtype=torch.float64)
+    with restricted_head(draft, ids):
+        for _ in range(N):
+            out = speculative_decode(target, draft, PROMPT, k=2, max_new_tokens=2, sampling=sampling, generator=g,
+                                     draft_vocab=torch.tensor(ids))
+            counts[out.output_ids[0] * V + out.output_ids[1]] += 1
+    expected = exact_two_token_distribution(target, sampling)
+    assert expected[[i for i in range(V) if i not in ids]].sum() > 0.2, "the target must often pick tokens outside"
+    assert chi_square_pvalue(counts, expected.flatten() * N) > 1e-3

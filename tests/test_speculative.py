@@ -157,3 +157,41 @@ def test_greedy_speculative_equals_vanilla_with_packed_linears(target, k):
             vanilla = vanilla_decode(target, prompt, max_new_tokens=40)
             spec = speculative_decode(target, draft, prompt, k=k, max_new_tokens=40)
             assert spec.output_ids == vanilla.output_ids
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculative_equals_vanilla_with_a_reduced_draft_vocabulary(target, k):
+    """A draft head that scores a third of the tokens never proposes the others; the output is still the target's."""
+    from eval.draft_vocab import restricted_head
+
+    draft = trained_draft(target)
+    ids = list(range(0, V, 3))
+    sub = torch.tensor(ids)
+    reached = set()
+    with restricted_head(draft, ids):
+        assert draft.get_output_embeddings().weight.shape[0] == len(ids)
+        for prompt in PROMPTS:
+            vanilla = vanilla_decode(target, prompt, max_new_tokens=40)
+            spec = speculative_decode(target, draft, prompt, k=k, max_new_tokens=40, draft_vocab=sub)
+            assert spec.output_ids == vanilla.output_ids
+            assert spec.total_accepted > 0
+            reached |= set(vanilla.output_ids) - set(ids)
+    assert reached, "the target must write tokens the draft cannot propose for the test to mean anything"
+    assert draft.get_output_embeddings().weight.shape[0] == V  # the full head is back
+
+
+def test_restricted_head_scores_the_chosen_rows(target):
+    from eval.draft_vocab import restricted_head
+
+    ids = [1, 5, 9, 60]
+    x = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        full = target(x).logits
+        with restricted_head(target, ids):
+            part = target(x).logits
+            lm = CachedLM(target, V, torch.tensor(ids))
+            row = lm.forward([3, 4, 5])[0]
+    torch.testing.assert_close(part, full[..., ids])
+    assert target.lm_head.weight is target.model.embed_tokens.weight  # tied weights stay tied
+    assert torch.isinf(row).sum() == V - len(ids)
+    torch.testing.assert_close(row[ids], full[0, -1, ids])

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from eval.draft_vocab import FILENAME as DRAFT_VOCAB_FILE
 from train import losses as L
 from train.errors import UserError
 from train.fsutil import atomic_write_json, atomic_write_text
@@ -108,14 +109,50 @@ def collate(examples: list[Example], pad_id: int) -> Batch:
     return Batch(input_ids, attention, loss_mask, examples)
 
 
-def topk_to_logprobs(ids: torch.Tensor, lp: torch.Tensor, vocab: int) -> torch.Tensor:
+def topk_to_logprobs(ids: torch.Tensor, lp: torch.Tensor, vocab: int, restrict: "DraftVocab | None" = None) -> torch.Tensor:
     """Full log-prob rows (n, V) from top-k ids and log-probs (n, k): the top-k entries keep their
-    log-probs and the tail mass 1 - sum(top-k) is spread uniformly over the other V - k tokens."""
+    log-probs and the tail mass 1 - sum(top-k) is spread uniformly over the other V - k tokens.
+
+    With `restrict`, only its columns (n, S), in its order: the same values, not renormalised (the
+    losses take a log-softmax, which renormalises over the draft vocabulary).
+    """
     tail = (1 - lp.exp().sum(-1)).clamp_min(1e-8) / max(vocab - ids.shape[1], 1)  # (n,)
-    return tail.log()[:, None].expand(ids.shape[0], vocab).clone().scatter_(1, ids, lp)
+    if restrict is None:
+        return tail.log()[:, None].expand(ids.shape[0], vocab).clone().scatter_(1, ids, lp)
+    size = restrict.ids.shape[0]
+    cols = restrict.index.to(ids.device)[ids]
+    cols = torch.where(cols >= 0, cols, size)  # top-k tokens outside the draft vocabulary land in a column dropped below
+    return tail.log()[:, None].expand(ids.shape[0], size + 1).clone().scatter_(1, cols, lp)[:, :size]
 
 
-def cached_target_logits(batch: Batch, topk_ids, topk_logprobs, vocab: int, dtype) -> torch.Tensor:
+@dataclass(frozen=True)
+class DraftVocab:
+    """A reduced draft vocabulary in training (`draft.vocab_size`, `eval.draft_vocab`): the draft's head
+    and the target's distribution are both taken over `ids` only."""
+
+    ids: torch.Tensor
+    """(S,) the token ids, ascending."""
+    index: torch.Tensor
+    """(V,) the position of each token id in `ids`, -1 for the others."""
+
+    @classmethod
+    def of(cls, ids: list[int], vocab: int, device) -> "DraftVocab":
+        from eval.draft_vocab import subset_index
+
+        return cls(torch.as_tensor(ids, dtype=torch.long, device=device), subset_index(ids, vocab, device))
+
+    def labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Labels as positions in `ids` and a mask of those inside it (a label outside is no target)."""
+        mapped = self.index[labels]
+        return mapped.clamp_min(0), mapped >= 0
+
+
+def _columns(x: torch.Tensor, vocab: int, restrict: DraftVocab | None) -> torch.Tensor:
+    """The vocabulary columns the losses compare: the first `vocab` (padding rows dropped), or the draft vocabulary's."""
+    return x[..., :vocab] if restrict is None else x.index_select(-1, restrict.ids)
+
+
+def cached_target_logits(batch: Batch, topk_ids, topk_logprobs, vocab: int, dtype, restrict: DraftVocab | None = None) -> torch.Tensor:
     """Target log-probs (B, L-1-first, V) rebuilt from the generate stage's top-k (positions first..L-2).
 
     Each position is a proper distribution (`topk_to_logprobs`: the tail mass spread uniformly).
@@ -125,12 +162,12 @@ def cached_target_logits(batch: Batch, topk_ids, topk_logprobs, vocab: int, dtyp
     """
     B, L = batch.loss_mask.shape
     first = batch.first
-    out = torch.zeros((B, L - first, vocab), dtype=torch.float32)
+    out = torch.zeros((B, L - first, vocab if restrict is None else restrict.ids.shape[0]), dtype=torch.float32)
     for i, e in enumerate(batch.examples):
         ids = torch.tensor(topk_ids[e.row], dtype=torch.long)  # (n, k)
         lp = torch.tensor(topk_logprobs[e.row], dtype=torch.float32)  # (n, k)
         n = min(ids.shape[0], len(e.ids) - e.start)
-        out[i, e.start - 1 - first:e.start - 1 - first + n] = topk_to_logprobs(ids[:n], lp[:n], vocab)
+        out[i, e.start - 1 - first:e.start - 1 - first + n] = topk_to_logprobs(ids[:n], lp[:n], vocab, restrict)
     return out.to(dtype)
 
 
@@ -145,6 +182,46 @@ def masked_topk(batch: Batch, topk_ids, topk_logprobs) -> tuple[torch.Tensor, to
         ids.append(torch.tensor(topk_ids[e.row][:n], dtype=torch.long))
         lp.append(torch.tensor(topk_logprobs[e.row][:n], dtype=torch.float32))
     return torch.cat(ids), torch.cat(lp)
+
+
+def prepare_draft_vocab(recipe, run_dir: Path, tokenizer, dataset=None, accelerator=None) -> list[int] | None:
+    """The reduced draft vocabulary of this run (`draft.vocab_size`), or None for the full one.
+
+    Built once from the generated data (the tokens with the most target probability in its top-k, or the
+    most frequent completion tokens when no top-k was kept) into RUN/draft_vocab.json, which later stages
+    and a resumed run read back.
+    """
+    from eval.draft_vocab import FILENAME, build_draft_vocab, load_draft_vocab, save_draft_vocab
+    from train.generate import load_generated
+
+    size = recipe.draft.vocab_size
+    if size <= 0:
+        return None
+    run_dir = Path(run_dir)
+    path = run_dir / FILENAME
+    vocab = len(tokenizer)
+    stored = json.loads(path.read_text()) if path.is_file() else None
+    main = accelerator is None or accelerator.is_main_process
+    if main and (stored is None or stored.get("requested") != size):
+        if not (run_dir / "generate" / "manifest.json").is_file():
+            raise UserError(f"recipe key 'draft.vocab_size': the draft vocabulary is chosen from generated data; "
+                            f"{run_dir / 'generate'} has none yet (run the generate stage first)")
+        dataset = dataset if dataset is not None else load_generated(run_dir)
+        completions = dataset["completion_ids"]
+        if "topk_ids" in dataset.column_names:
+            rows, lps = dataset["topk_ids"], dataset["topk_logprobs"]
+        else:
+            rows, lps = [[[t] for t in c] for c in completions], [[[0.0]] * len(c) for c in completions]
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids = build_draft_vocab(rows, lps, size, vocab, always=eos)
+        inside = set(ids)
+        total = sum(len(c) for c in completions)
+        coverage = sum(t in inside for c in completions for t in c) / max(total, 1)
+        save_draft_vocab(run_dir, ids, requested=size, vocab=vocab, generated_tokens_covered=coverage)
+        log(f"draft vocabulary: {len(ids)} of {vocab} tokens, covering {100 * coverage:.1f}% of the generated tokens ({path})")
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return load_draft_vocab(run_dir)
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -283,17 +360,20 @@ def _model_logits(model, batch: Batch, device) -> torch.Tensor:
     return out.logits[:, :-1]
 
 
-def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = False, cached=None) -> dict:
+def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = False, cached=None,
+                 restrict: DraftVocab | None = None) -> dict:
     """Forward both sides of one micro-batch and return the weighted loss sums (see `loss_terms`).
 
     The target's logits come from its forward pass under no_grad (online, and always for on-policy
     batches) or from the cached top-k log-probs `cached = (topk_ids, topk_logprobs)`. With
     `loss_chunk_size` > 0 the draft's head runs inside the loss, chunk by chunk (`fused_batch_losses`).
+    `restrict`: a reduced draft vocabulary; both distributions are taken over its tokens.
     """
     head_weight = _fused_head_weight(recipe, draft)
     if head_weight is not None:
-        return fused_batch_losses(recipe, draft, head_weight, target, batch, device, on_policy, cached)
+        return fused_batch_losses(recipe, draft, head_weight, target, batch, device, on_policy, cached, restrict)
     draft_logits = _model_logits(draft, batch, device)
+    vocab = draft_logits.shape[-1]
     if not _reads_target(recipe):  # sequence_ce alone learns from the target's text, not its distribution
         target_logits = None
     elif on_policy or recipe.distill.target_signal == "online":
@@ -301,12 +381,11 @@ def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = 
             target_logits = _model_logits(target, batch, device)
         # Same tokenizer, but the embedding matrices may be padded to different sizes (Qwen2.5 0.5B has
         # 151936 rows, 7B 152064): compare the rows both have; the rest are padding no text uses.
-        vocab = min(draft_logits.shape[-1], target_logits.shape[-1])
-        draft_logits, target_logits = draft_logits[..., :vocab], target_logits[..., :vocab]
+        vocab = min(vocab, target_logits.shape[-1])
+        target_logits = _columns(target_logits, vocab, restrict)
     else:
-        vocab = draft_logits.shape[-1]
-        target_logits = cached_target_logits(batch, *cached, vocab, draft_logits.dtype).to(device)
-    return loss_terms(recipe, draft_logits, target_logits, batch, on_policy)
+        target_logits = cached_target_logits(batch, *cached, vocab, draft_logits.dtype, restrict).to(device)
+    return loss_terms(recipe, _columns(draft_logits, vocab, restrict), target_logits, batch, on_policy, restrict)
 
 
 def _active_losses(section, on_policy: bool) -> list[tuple[str, float, dict]]:
@@ -315,6 +394,11 @@ def _active_losses(section, on_policy: bool) -> list[tuple[str, float, dict]]:
             for name, weight in section.losses.items()
             # draft-written tokens are not targets; on-policy batches learn from the divergences only
             if not (on_policy and name == "sequence_ce")]
+
+
+def _rows(weight: torch.Tensor, vocab: int, restrict: DraftVocab | None) -> torch.Tensor:
+    """The head rows the losses use: the first `vocab`, or the draft vocabulary's."""
+    return weight[:vocab] if restrict is None else weight.index_select(0, restrict.ids)
 
 
 def _reads_target(recipe) -> bool:
@@ -354,7 +438,8 @@ def _last_hidden(model, batch: Batch, device) -> torch.Tensor:
     return captured[-1][:, batch.first:-1]
 
 
-def fused_batch_losses(recipe, draft, weight, target, batch: Batch, device, on_policy: bool = False, cached=None) -> dict:
+def fused_batch_losses(recipe, draft, weight, target, batch: Batch, device, on_policy: bool = False, cached=None,
+                       restrict: DraftVocab | None = None) -> dict:
     """`batch_losses` with the draft's head inside the loss (`losses.fused_head_loss`).
 
     Only the N loss positions of the micro-batch are kept (padding and prompt positions are dropped),
@@ -368,6 +453,10 @@ def fused_batch_losses(recipe, draft, weight, target, batch: Batch, device, on_p
     keep = batch.loss_mask[:, batch.first:].bool().to(device)  # (B, T)
     hidden = _last_hidden(draft, batch, device)[keep][None]  # (1, N, H)
     labels = batch.input_ids[:, batch.first + 1:].to(device)[keep][None]  # (1, N)
+    label_ok = torch.ones(labels.shape, dtype=torch.float32, device=device)
+    if restrict is not None:
+        labels, inside = restrict.labels(labels)
+        label_ok = inside.float()
     vocab = weight.shape[0]
     if not _reads_target(recipe):
         target_chunk = None
@@ -377,15 +466,15 @@ def fused_batch_losses(recipe, draft, weight, target, batch: Batch, device, on_p
             if target_weight is not None:  # the target's logits are made chunk by chunk too
                 target_hidden = _last_hidden(target, batch, device)[keep][None]  # (1, N, H)
                 vocab = min(vocab, target_weight.shape[0])
-                target_head = target_weight[:vocab].to(target_hidden.dtype)
+                target_head = _rows(target_weight, vocab, restrict).to(target_hidden.dtype)
                 target_chunk = lambda lo, hi: target_hidden[:, lo:hi] @ target_head.T  # noqa: E731
             else:  # a partitioned (ZeRO-3) target runs its own head
                 target_logits = _model_logits(target, batch, device)[keep][None]
                 vocab = min(vocab, target_logits.shape[-1])
-                target_chunk = lambda lo, hi: target_logits[:, lo:hi, :vocab]  # noqa: E731
+                target_chunk = lambda lo, hi: _columns(target_logits[:, lo:hi], vocab, restrict)  # noqa: E731
     else:
         topk_ids, topk_lp = masked_topk(batch, *cached)
-        target_chunk = lambda lo, hi: topk_to_logprobs(topk_ids[lo:hi], topk_lp[lo:hi], vocab)[None].to(device)  # noqa: E731
+        target_chunk = lambda lo, hi: topk_to_logprobs(topk_ids[lo:hi], topk_lp[lo:hi], vocab, restrict)[None].to(device)  # noqa: E731
     active = _active_losses(section, on_policy)
     values = {name: torch.zeros((), device=device) for name, _, _ in active}
 
@@ -395,7 +484,7 @@ def fused_batch_losses(recipe, draft, weight, target, batch: Batch, device, on_p
         grad, chunk_value = None, torch.zeros((), device=logits.device)
         for name, w, kwargs in active:
             if name == "sequence_ce":
-                value, g = L.ce_value_and_grad(logits, labels[:, lo:hi], ones)
+                value, g = L.ce_value_and_grad(logits, labels[:, lo:hi], label_ok[:, lo:hi])
             else:
                 value, g = L.divergence_value_and_grad(name, logits, target_logits, ones,
                                                        temperature=section.temperature, **kwargs)
@@ -405,7 +494,7 @@ def fused_batch_losses(recipe, draft, weight, target, batch: Batch, device, on_p
             del g
         return chunk_value, grad
 
-    total = L.fused_head_loss(hidden, weight[:vocab], chunk_value_and_grad, section.loss_chunk_size)
+    total = L.fused_head_loss(hidden, _rows(weight, vocab, restrict), chunk_value_and_grad, section.loss_chunk_size)
     terms = {name: value.detach() for name, value in values.items()}
     if terms:
         first = next(iter(terms))
@@ -413,15 +502,23 @@ def fused_batch_losses(recipe, draft, weight, target, batch: Batch, device, on_p
     return terms
 
 
-def loss_terms(recipe, draft_logits, target_logits, batch: Batch, on_policy: bool) -> dict[str, torch.Tensor]:
-    """Each weighted loss as a sum over this micro-batch's completion tokens (normalised later, globally)."""
+def loss_terms(recipe, draft_logits, target_logits, batch: Batch, on_policy: bool,
+               restrict: DraftVocab | None = None) -> dict[str, torch.Tensor]:
+    """Each weighted loss as a sum over this micro-batch's completion tokens (normalised later, globally).
+
+    With `restrict` the logits are over its tokens, and a label outside them counts in no sequence_ce term.
+    """
     section = recipe.distill
     mask = batch.loss_mask[:, batch.first:].to(draft_logits.device)
     terms = {}
     for name, weight, kwargs in _active_losses(section, on_policy):
         if name == "sequence_ce":
             labels = batch.input_ids[:, batch.first + 1:].to(draft_logits.device)
-            value = L.sequence_ce(draft_logits, labels, mask, reduction="sum", chunk_size=section.loss_chunk_size)
+            ce_mask = mask
+            if restrict is not None:
+                labels, inside = restrict.labels(labels)
+                ce_mask = mask * inside
+            value = L.sequence_ce(draft_logits, labels, ce_mask, reduction="sum", chunk_size=section.loss_chunk_size)
         else:
             value = L.DIVERGENCES[name](draft_logits, target_logits, mask, temperature=section.temperature,
                                         reduction="sum", chunk_size=section.loss_chunk_size, **kwargs)
@@ -484,6 +581,8 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
     topk_lp = dataset["topk_logprobs"] if section.target_signal == "cached" else None
     world, rank = accelerator.num_processes, accelerator.process_index
     global_batch = section.batch_size * section.grad_accum * world
+    vocab_ids = prepare_draft_vocab(recipe, run_dir, tokenizer, dataset, accelerator)
+    restrict = None if vocab_ids is None else DraftVocab.of(vocab_ids, len(tokenizer), accelerator.device)
 
     torch.manual_seed(recipe.seed)
     if any(p.dtype != torch.float32 for p in draft.parameters()):
@@ -520,7 +619,8 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
     log(f"distill: {len(examples)} examples, global batch {global_batch} sequences "
         f"({section.batch_size} x {section.grad_accum} accumulation x {world} processes), steps {start_step}->{section.max_steps}, "
         f"losses {section.losses}, target signal {section.target_signal}, on-policy lambda {section.on_policy_lambda}, "
-        f"precision {accelerator.mixed_precision}" + (f", DeepSpeed ZeRO-{stage}" if stage >= 0 else ""))
+        f"precision {accelerator.mixed_precision}" + (f", DeepSpeed ZeRO-{stage}" if stage >= 0 else "")
+        + (f", draft vocabulary {len(vocab_ids)} tokens" if vocab_ids else ""))
 
     log_path = run_dir / "distill" / "log.jsonl"  # one JSON line of metrics per optimizer step
     if accelerator.is_main_process:
@@ -553,7 +653,8 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
             for b in micro:
                 with accelerator.accumulate(draft):
                     with accelerator.autocast():
-                        terms = batch_losses(recipe, draft, target, b, device, on_policy, cached=(topk_ids, topk_lp))
+                        terms = batch_losses(recipe, draft, target, b, device, on_policy, cached=(topk_ids, topk_lp),
+                                             restrict=restrict)
                     accelerator.backward(sum(terms.values()) * scale)
                     for name, value in terms.items():
                         sums[name] = sums.get(name, 0.0) + value.detach().float()
@@ -645,6 +746,9 @@ def _write_checkpoint(recipe, accelerator, draft, scheduler, tokenizer, tmp: Pat
         unwrapped = accelerator.unwrap_model(draft)
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        vocab_file = tmp.parent / DRAFT_VOCAB_FILE  # the run's draft vocabulary travels with each checkpoint
+        if vocab_file.is_file():
+            shutil.copy2(vocab_file, tmp / DRAFT_VOCAB_FILE)
         atomic_write_text(tmp / "recipe.yaml", dump_recipe(recipe))
         state = {"step": step, "global_batch": global_batch, "examples_seen": step * global_batch,
                  "scheduler": scheduler.state_dict(), "processes": accelerator.num_processes}

@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+from eval.draft_vocab import FILENAME as DRAFT_VOCAB_FILE
 from eval.report import domain_rows, markdown_table, temperature_rows
 from eval.stage import summary_table
 from train.errors import UserError
@@ -45,6 +46,11 @@ def model_card(recipe, tag: str, report: dict, summary: dict, plots: list[str], 
     d_headers, d_rows = domain_rows(report)
     requests = next(iter(report["by_temperature"].values()))["requests"]
     conventions = "\n".join(f"- `{name}`: {text}" for name, text in report["conventions"].items())
+    vocab_note = "" if not report.get("draft_vocab_size") else (
+        f"\n\nThe draft was trained and measured with a reduced vocabulary: its head scores only the "
+        f"{report['draft_vocab_size']} token ids in `{DRAFT_VOCAB_FILE}` (the cheaper draft token above). The weights keep "
+        "the full head, so transformers and vLLM load it as is and score every token: the output stays exact, the "
+        "draft costs more per token, and acceptance may differ a little from these figures.")
     plot_lines = "\n".join(f"![{Path(p).stem}](plots/{Path(p).name})" for p in plots)
     return f"""---
 library_name: transformers
@@ -74,7 +80,7 @@ vLLM: `vllm serve {recipe.target.model} --speculative-config '{{"model": "path/t
 
 Measured by specdistill's own speculative decoder on {requests} held-out prompts, device `{report['device']}` ({report['dtype']}), k = {report['settings']['k']}, against vanilla decoding
 of the same target in the same run. Costs: draft {costs['t_draft_ms']:.1f} ms/token, target
-{costs['t_target_ms']['1']:.1f} ms/token, c = {costs['c']:.3f}. Optimal k from the measured alpha and costs: {k}.
+{costs['t_target_ms']['1']:.1f} ms/token, c = {costs['c']:.3f}. Optimal k from the measured alpha and costs: {k}.{vocab_note}
 
 Conventions:
 
@@ -129,6 +135,8 @@ def run_export_stage(recipe, tokenizer, run_dir: Path, draft=None, dtype=None) -
     generation.num_assistant_tokens = k
     generation.num_assistant_tokens_schedule = "constant"
     generation.save_pretrained(tmp)
+    if (source / DRAFT_VOCAB_FILE).is_file():  # read by specdistill's decoder; transformers and vLLM use the full head
+        shutil.copy2(source / DRAFT_VOCAB_FILE, tmp / DRAFT_VOCAB_FILE)
     plots = []
     for name in (report.get("plots") or {}).values():
         src = run_dir / "eval" / tag / name

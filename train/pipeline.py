@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from eval.draft_vocab import load_draft_vocab
 from train.errors import UserError
 from train.fsutil import atomic_write_text
 from train.models import build_draft, check_model_vocab, load_model, load_tokenizer, log, num_parameters, serving_dtype
@@ -128,7 +129,8 @@ def _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, ru
         if accelerator.is_main_process:
             # Measured as it will be served: a copy in the serving dtype (training holds float32 weights).
             served = copy.deepcopy(draft).to(serving_dtype(recipe, target)).eval()
-            report = run_eval_stage(recipe, target, served, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name)
+            report = run_eval_stage(recipe, target, served, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name,
+                                    draft_vocab=load_draft_vocab(path))
             accelerator.log(checkpoint_metrics(report), step=step)
             tracker = _wandb_tracker(accelerator)
             if tracker is not None:
@@ -182,13 +184,14 @@ def _eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir):
     from train.distill import list_checkpoints
 
     checkpoints = list_checkpoints(run_dir)
-    if not checkpoints:
-        run_eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir, tag="init")
+    if not checkpoints:  # the draft as built, over the run's draft vocabulary once one was chosen
+        run_eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir, tag="init", draft_vocab=load_draft_vocab(run_dir))
     for _, path in checkpoints:
         if (Path(run_dir) / "eval" / path.name / "report.json").is_file():
             continue
         trained = load_model(str(path), device=target.device).to(serving_dtype(recipe, target))
-        run_eval_stage(recipe, target, trained, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name)
+        run_eval_stage(recipe, target, trained, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name,
+                       draft_vocab=load_draft_vocab(path))
     summary = summarize(run_dir)
     if summary:
         print(summary_table(summary))

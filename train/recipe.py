@@ -77,8 +77,13 @@ class DraftSection:
     """The draft's serving dtype (eval, export); `auto`: the target's. Training keeps float32 master weights."""
     trust_remote_code: bool = False
     revision: Optional[str] = None
+    vocab_size: int = 0
+    """A reduced draft vocabulary (EAGLE-3 style): the draft's head scores only the `vocab_size` tokens with the
+    most target probability in the generated data (plus EOS), in training and decoding; 0: every token. The
+    ids are saved as `draft_vocab.json` beside each checkpoint and the export, whose weights keep the full head."""
 
     def __post_init__(self):
+        _check(self.vocab_size >= 0, "vocab_size", "expected 0 (the full vocabulary) or a token count")
         _check(self.init != "pretrained" or bool(self.model), "model", "required when init is 'pretrained'")
         _check(self.init != "layers" or len(self.layers) > 0, "layers", "expected at least one layer index")
         _check(len(set(self.layers)) == len(self.layers), "layers", "layer indices must be distinct")
