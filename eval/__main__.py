@@ -56,6 +56,8 @@ def parse_args(argv=None):
     parser.add_argument("--fallback-window", type=_positive, default=100)
     parser.add_argument("--fallback-threshold", type=_fraction, default=0.4)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the draft's dtype when it differs from the target's (default: --dtype)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -77,7 +79,7 @@ def main(argv=None):
     draft_tok = load_tokenizer(args.draft, trust_remote_code=args.trust_remote_code)
     check_same_tokenizer(target_tok, draft_tok, args.target, args.draft)
     target = load_model(args.target, dtype=args.dtype, device=device, trust_remote_code=args.trust_remote_code)
-    draft = load_model(args.draft, dtype=args.dtype, device=device, trust_remote_code=args.trust_remote_code)
+    draft = load_model(args.draft, dtype=args.draft_dtype or args.dtype, device=device, trust_remote_code=args.trust_remote_code)
     check_model_vocab(target, target_tok, args.target)
     check_model_vocab(draft, target_tok, args.draft)
     if args.top_p <= 0 or args.top_p > 1:

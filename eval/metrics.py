@@ -30,7 +30,9 @@ CONVENTIONS = {
     "alpha_by_position": "alpha by position of the drafted token in the generated sequence, buckets " + ", ".join(BUCKET_NAMES),
     "c": "t_draft (one draft token, KV cache) / t_target(1) (one target token, KV cache), measured",
     "speedup_theoretical": "(1 - alpha^(k+1)) / (1 - alpha) * t_target(1) / (k t_draft + t_target(k+1)), Leviathan et al. 2023 with measured costs",
-    "speedup_observed": "wall time of vanilla target decoding / wall time of speculative decoding, same prompts, same code, one run",
+    "speedup_observed": "wall time per generated token of vanilla target decoding / the same of speculative decoding, "
+                        "same prompts, same code, one run (the plain wall-time ratio at greedy decoding, where both write "
+                        "the same tokens; sampled outputs differ in length, so time is taken per token)",
     "optimal_k": "the k in 1..8 maximising speedup_theoretical at the measured alpha",
     "max_profitable_temperature": "highest temperature of the sweep, going up from the coldest, whose speedup_theoretical stays above 1",
     "fallback_rate": "share of requests the guardrail switched to vanilla decoding",
@@ -141,6 +143,18 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
+def per_token_speedup(vanilla_time: float, vanilla_tokens: int, spec_time: float, spec_tokens: int) -> float | None:
+    """Vanilla wall time per token / speculative wall time per token.
+
+    At T > 0 the two decoders draw different samples, and one may stop at EOS long before the other:
+    a plain ratio of wall times would count the length difference as speed. At greedy decoding both
+    write the same tokens and this is the wall-time ratio.
+    """
+    if not (vanilla_time and vanilla_tokens and spec_time and spec_tokens):
+        return None
+    return (vanilla_time / vanilla_tokens) / (spec_time / spec_tokens)
+
+
 def aggregate(records: list[dict], costs: Costs, k: int) -> dict:
     """Pool per-request records (one temperature, or one domain at one temperature) into metrics."""
     total = lambda key: sum(r[key] for r in records)  # noqa: E731
@@ -154,7 +168,8 @@ def aggregate(records: list[dict], costs: Costs, k: int) -> dict:
     }
     per_request_alpha = [r["alpha"] for r in records if r["alpha"] is not None]
     theory = predicted_speedup(alpha, k, costs) if alpha is not None else None
-    observed = ratio(total("wall_time_vanilla"), total("wall_time_spec"))
+    observed = per_token_speedup(total("wall_time_vanilla"), sum(r["vanilla_tokens"] for r in records),
+                                 total("wall_time_spec"), total("tokens_generated"))
     return {
         "requests": len(records),
         "tokens_generated": total("tokens_generated"),

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eval.draft_vocab import restricted_head
-from eval.metrics import CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, predicted_speedup
+from eval.metrics import CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, per_token_speedup, predicted_speedup
 from eval.packed import packed_linears
 from eval.speculative import Sampling, speculative_decode, vanilla_decode
 from train.fsutil import atomic_write_json, atomic_write_text
@@ -69,7 +69,7 @@ def _request_record(prompt: Prompt, temperature: float, settings: EvalSettings, 
         "alpha": alpha,
         "alpha_empirical": spec.alpha_empirical,
         "tau": spec.tau,
-        "speedup_observed": vanilla.wall_time / spec.wall_time,
+        "speedup_observed": per_token_speedup(vanilla.wall_time, vanilla.tokens_generated, spec.wall_time, spec.tokens_generated),
         "speedup_theoretical": predicted_speedup(alpha, settings.k, costs) if alpha is not None else None,
         "fallback_triggered": spec.fallback_triggered,
         "fallback_at": spec.fallback_at,

@@ -40,6 +40,12 @@ def test_eval_command_writes_report_requests_and_plots(tmp_path, tiny_target_dir
             assert record["output_ids"] == record["vanilla_output_ids"]
     greedy = report["by_temperature"]["0.0"]
     assert greedy["tokens_generated"] == sum(r["tokens_generated"] for r in records if r["temperature"] == 0)
+    # Speedup is wall time per token: at T = 1 the two decoders may write different lengths.
+    for t, agg in report["by_temperature"].items():
+        assert agg["speedup_observed"] == pytest.approx(agg["tokens_per_s_spec"] / agg["tokens_per_s_vanilla"])
+    greedy_records = [r for r in records if r["temperature"] == 0]
+    assert greedy["speedup_observed"] == pytest.approx(sum(r["wall_time_vanilla"] for r in greedy_records)
+                                                       / sum(r["wall_time_spec"] for r in greedy_records))
     assert len(greedy["slot_acceptance_conditional"]) == 3
 
 
@@ -64,6 +70,14 @@ def test_bad_prompt_file_names_file_and_line(tmp_path, tiny_target_dir, capsys):
     assert code == 2 and "must be >= 1" in line
     code, line = run_eval(["--target", str(tiny_target_dir), "--draft", str(tiny_target_dir), "--temperatures", "0,-1"], capsys)
     assert code == 2 and "temperatures must be >= 0" in line
+
+
+def test_observed_speedup_is_taken_per_token():
+    from eval.metrics import per_token_speedup
+
+    assert per_token_speedup(2.0, 100, 1.0, 100) == 2.0
+    assert per_token_speedup(2.0, 50, 2.0, 100) == 2.0  # the same wall time, but twice the tokens
+    assert per_token_speedup(1.0, 0, 1.0, 10) is None
 
 
 def test_speed_model_matches_leviathan():
@@ -104,8 +118,9 @@ def test_eval_reads_the_drafts_vocabulary_file_and_rejects_a_bad_one(tmp_path, t
     assert "draft vocabulary: 148 tokens" in capsys.readouterr().out
     report = json.loads((tmp_path / "sub" / "report.json").read_text())
     assert report["draft_vocab_size"] == 148 and report["greedy_identical_to_vanilla"] == 1.0
-    eval_main(common + ["--draft", str(draft), "--full-draft-vocab", "--out", str(tmp_path / "full")])
-    assert json.loads((tmp_path / "full" / "report.json").read_text())["draft_vocab_size"] is None
+    eval_main(common + ["--draft", str(draft), "--full-draft-vocab", "--draft-dtype", "bfloat16", "--out", str(tmp_path / "full")])
+    full = json.loads((tmp_path / "full" / "report.json").read_text())
+    assert full["draft_vocab_size"] is None and full["greedy_identical_to_vanilla"] == 1.0
     save_draft_vocab(draft, [5, 300])  # 300 is past the tiny vocabulary
     code, line = run_eval(common + ["--draft", str(draft)], capsys)
     assert code == 2 and "token id 300 is outside" in line

@@ -143,7 +143,8 @@ class DraftVocab:
 
     def labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Labels as positions in `ids` and a mask of those inside it (a label outside is no target)."""
-        mapped = self.index[labels]
+        size = self.index.shape[0]  # a draft-sampled token may be a padding row past the tokenizer's ids
+        mapped = torch.where(labels < size, self.index[labels.clamp_max(size - 1)], -1)
         return mapped.clamp_min(0), mapped >= 0
 
 
