@@ -1,4 +1,4 @@
-"""Benchmark distillation steps: python scripts/bench_distill.py [--seq-len 512] [--batch-size 1] [--steps 2]
+"""Benchmark distillation steps: python scripts/bench_distill.py [--seq-len 512] [--batch-size 1] [--steps 2] [--draft-vocab N]
 
 For each loss (forward_kl, reverse_kl, jsd, tvd, sequence_ce), with and without chunking over the
 sequence, and with the online vs the cached (top-k) target signal: training tokens/s and peak memory
@@ -7,7 +7,8 @@ and head frozen, as in the default recipe), through
 the same `batch_losses` the distill loop runs. Each configuration runs in its own process so that
 peak memory is its own: CUDA max_memory_allocated on a GPU; on CPU the peak resident memory sampled
 every 0.5 ms during the timed steps, over what the process held before them (models, batch and
-optimizer state, created by a warm-up step, are the baseline).
+optimizer state, created by a warm-up step, are the baseline). `--draft-vocab N` trains over a reduced
+draft vocabulary of N tokens (`draft.vocab_size`), whose cost is what is measured (the ids do not matter).
 Prints a table and writes JSON (default runs/bench/bench_distill.json).
 
 Goal (issue 5): chunked peak memory at most half of unchunked at vocabulary 49152 and sequence 512,
@@ -62,7 +63,7 @@ class PeakRSS:
 
 def one_config(args) -> dict:
     """Run warm-up + timed steps of one configuration in this process; return its measurements."""
-    from train.distill import Example, batch_losses, collate
+    from train.distill import DraftVocab, Example, batch_losses, collate
     from train.models import draft_from_layers, load_model
     from train.recipe import parse_recipe
 
@@ -84,10 +85,11 @@ def one_config(args) -> dict:
         topk_ids.append(torch.randint(0, vocab, (n, args.topk)).tolist())
         topk_lp.append(torch.log_softmax(torch.randn(n, 64), -1).topk(args.topk, -1).values.tolist())
     batch = collate(examples, pad_id=0)
+    restrict = DraftVocab.of(list(range(args.draft_vocab)), vocab, device) if args.draft_vocab else None
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-5)
 
     def step():
-        terms = batch_losses(recipe, draft, target, batch, device, cached=(topk_ids, topk_lp))
+        terms = batch_losses(recipe, draft, target, batch, device, cached=(topk_ids, topk_lp), restrict=restrict)
         (sum(terms.values()) / batch.tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -125,6 +127,7 @@ def main():
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=64, help="chunk length of the chunked runs")
     parser.add_argument("--topk", type=int, default=20, help="cached log-probs per position")
+    parser.add_argument("--draft-vocab", type=int, default=0, help="train over a reduced draft vocabulary of N tokens (0: all)")
     parser.add_argument("--losses", default=",".join(LOSSES))
     parser.add_argument("--signals", default="online,cached")
     parser.add_argument("--out", default="runs/bench/bench_distill.json")
@@ -141,7 +144,8 @@ def main():
     from train.fsutil import atomic_write_json
 
     common = ["--target", args.target, "--layers", *map(str, args.layers), "--seq-len", str(args.seq_len),
-              "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--topk", str(args.topk)]
+              "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--topk", str(args.topk),
+              "--draft-vocab", str(args.draft_vocab)]
     results = []
     for signal in args.signals.split(","):
         for loss in args.losses.split(","):
@@ -172,7 +176,7 @@ def main():
                          plain["step_peak_mib"], chunked["step_peak_mib"], mem_ratio, "yes" if ok else "no"])
     device = results[0]["device"] if results else "?"
     print(f"{args.target} -> draft layers {args.layers}, batch {args.batch_size} x {args.seq_len} tokens, "
-          f"vocabulary 49152, chunk {args.chunk_size}, device {device}, {torch.get_num_threads()} threads")
+          f"vocabulary 49152{f' (draft vocabulary {args.draft_vocab})' if args.draft_vocab else ''}, chunk {args.chunk_size}, device {device}, {torch.get_num_threads()} threads")
     print(format_table(["signal", "loss", "tok/s plain", "tok/s chunked", "speed ratio", "peak MiB plain",
                         "peak MiB chunked", "memory ratio", "goal"], rows))
     out = Path(args.out)
