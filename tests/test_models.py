@@ -143,3 +143,20 @@ def test_default_target_layers_draft():
     recipe = parse_recipe({"name": "x", "draft": {"init": "layers", "layers": [0, 1, -1]}})
     draft, name = models.build_draft(recipe, target, load_tokenizer(DEFAULT_TARGET))
     assert draft.config.num_hidden_layers == 3 and "layers 0,1,-1" in name
+
+
+def test_cast_weights_keeps_the_rotary_frequencies_as_from_pretrained_does(tmp_path):
+    from conftest import make_model
+    from transformers import AutoModelForCausalLM
+
+    from train.models import cast_weights
+
+    model = make_model(64, layers=1)
+    model.save_pretrained(tmp_path)
+    cast = cast_weights(make_model(64, layers=1), torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in cast.parameters())
+    assert cast.model.rotary_emb.inv_freq.dtype == torch.float32
+    x = torch.tensor([[1, 5, 9, 30, 31, 40, 41, 50]])
+    with torch.no_grad():
+        torch.testing.assert_close(cast(x).logits, loaded(x).logits, atol=0, rtol=0)

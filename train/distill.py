@@ -29,7 +29,7 @@ from eval.draft_vocab import FILENAME as DRAFT_VOCAB_FILE
 from train import losses as L
 from train.errors import UserError
 from train.fsutil import atomic_write_json, atomic_write_text
-from train.models import log
+from train.models import cast_weights, log
 from train.recipe import dump_recipe
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -588,7 +588,7 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
     torch.manual_seed(recipe.seed)
     if any(p.dtype != torch.float32 for p in draft.parameters()):
         # Master weights in float32; bf16 on GPU comes from autocast (mixed_precision), not from the weights.
-        draft.float()
+        cast_weights(draft, torch.float32)
     if section.freeze_embeddings:
         draft.get_input_embeddings().requires_grad_(False)
         draft.get_output_embeddings().requires_grad_(False)

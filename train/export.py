@@ -18,7 +18,7 @@ from eval.report import domain_rows, markdown_table, temperature_rows
 from eval.stage import summary_table
 from train.errors import UserError
 from train.fsutil import atomic_write_text
-from train.models import load_model, log
+from train.models import cast_weights, load_model, log
 from train.recipe import dump_recipe
 
 
@@ -124,7 +124,7 @@ def run_export_stage(recipe, tokenizer, run_dir: Path, draft=None, dtype=None) -
     else:
         raise UserError(f"export: the best measured draft '{tag}' is not a checkpoint; run distill first")
     if dtype is not None:
-        model = model.to(dtype)
+        model = cast_weights(model, dtype)
     k = serving_k(report)
     final, tmp = run_dir / "export", run_dir / ".export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -320,7 +320,21 @@ def build_draft(recipe, target, target_tokenizer, device=None):
     else:
         draft = draft_from_config(target, spec.config, recipe.seed)
         name = f"{recipe.target.model}[config]"
-    return draft.to(device or target.device, dtype=serving_dtype(recipe, target)).eval(), name
+    return cast_weights(draft.to(device or target.device), serving_dtype(recipe, target)).eval(), name
+
+
+def cast_weights(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model.to(dtype)` for the parameters only, in place: buffers keep their dtype.
+
+    `from_pretrained(dtype=...)` keeps the rotary `inv_freq` in float32; a plain `.to(bfloat16)` would
+    round the frequencies too, and the model served in the run would differ from the exported one
+    loaded elsewhere (logits by up to 0.25 for four SmolLM2 layers).
+    """
+    buffers = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items() if buf is not None]
+    model.to(dtype)
+    for module, name, buf in buffers:
+        module._buffers[name] = buf
+    return model
 
 
 def serving_dtype(recipe, target) -> torch.dtype:

@@ -16,7 +16,8 @@ import yaml
 from eval.draft_vocab import load_draft_vocab
 from train.errors import UserError
 from train.fsutil import atomic_write_text
-from train.models import build_draft, check_model_vocab, load_model, load_tokenizer, log, num_parameters, serving_dtype
+from train.models import (build_draft, cast_weights, check_model_vocab, load_model, load_tokenizer, log, num_parameters,
+                          serving_dtype)
 from train.recipe import Recipe, dump_recipe
 
 IDENTITY_KEYS = ("target", "draft", "data", "generate", "distill", "seed")
@@ -128,7 +129,7 @@ def _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, ru
     def hook(step, path, draft):
         if accelerator.is_main_process:
             # Measured as it will be served: a copy in the serving dtype (training holds float32 weights).
-            served = copy.deepcopy(draft).to(serving_dtype(recipe, target)).eval()
+            served = cast_weights(copy.deepcopy(draft), serving_dtype(recipe, target)).eval()
             report = run_eval_stage(recipe, target, served, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name,
                                     draft_vocab=load_draft_vocab(path))
             accelerator.log(checkpoint_metrics(report), step=step)
@@ -189,7 +190,7 @@ def _eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir):
     for _, path in checkpoints:
         if (Path(run_dir) / "eval" / path.name / "report.json").is_file():
             continue
-        trained = load_model(str(path), device=target.device).to(serving_dtype(recipe, target))
+        trained = cast_weights(load_model(str(path), device=target.device), serving_dtype(recipe, target))
         run_eval_stage(recipe, target, trained, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name,
                        draft_vocab=load_draft_vocab(path))
     summary = summarize(run_dir)
