@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.speculative import BUCKET_NAMES, CachedLM, _sync, output_vocab_size, ratio
+from eval.speculative import BUCKET_NAMES, CachedLM, _sync, ratio, shared_vocab_size
 
 CONVENTIONS = {
     "alpha": "mean over verified draft positions of beta = sum_x min(p_target, p_draft) = 1 - TV (greedy: argmax match); pooled over requests",
@@ -85,7 +85,7 @@ def measure_costs(target, draft, prefix_ids: list[int], *, k_max: int = 8, repea
     round, and each cost is the median: a slow moment of the machine hits every m alike instead of
     one of them.
     """
-    vocab = output_vocab_size(target) if draft_vocab is not None else min(output_vocab_size(target), output_vocab_size(draft))
+    vocab = shared_vocab_size(target, draft, draft_vocab)
     probe = (prefix_ids * (1 + (k_max + 1) // max(len(prefix_ids), 1)))[: k_max + 1]
     target_lm, draft_lm = CachedLM(target, vocab), CachedLM(draft, vocab, draft_vocab)
     target_lm.forward(prefix_ids, keep=1)

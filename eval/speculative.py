@@ -216,6 +216,14 @@ def output_vocab_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
+def shared_vocab_size(target, draft, draft_vocab: torch.Tensor | None = None) -> int:
+    """The vocabulary both models' logits are compared over: the rows both heads have (the rest is padding),
+    or the target's when the draft's head is restricted to `draft_vocab` (its rows are not the vocabulary)."""
+    if draft_vocab is not None:
+        return output_vocab_size(target)
+    return min(output_vocab_size(target), output_vocab_size(draft))
+
+
 @torch.no_grad()
 def vanilla_decode(
     target,
@@ -271,9 +279,7 @@ def speculative_decode(
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    if vocab_size is None:  # a restricted head's rows are not the vocabulary
-        vocab_size = output_vocab_size(target) if draft_vocab is not None else min(output_vocab_size(target), output_vocab_size(draft))
-    vocab = vocab_size
+    vocab = vocab_size or shared_vocab_size(target, draft, draft_vocab)
     p_lm, q_lm = CachedLM(target, vocab), CachedLM(draft, vocab, draft_vocab)
     eos = set(eos_token_ids)
     result = DecodeResult([], 0.0, slot_reached=[0] * k, slot_accepted=[0] * k, slot_rounds=[0] * k)

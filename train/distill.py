@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eval.draft_vocab import FILENAME as DRAFT_VOCAB_FILE
+from eval.draft_vocab import build_draft_vocab, load_draft_vocab, save_draft_vocab, subset_index
 from train import losses as L
 from train.errors import UserError
 from train.fsutil import atomic_write_json, atomic_write_text
@@ -137,8 +138,6 @@ class DraftVocab:
 
     @classmethod
     def of(cls, ids: list[int], vocab: int, device) -> "DraftVocab":
-        from eval.draft_vocab import subset_index
-
         return cls(torch.as_tensor(ids, dtype=torch.long, device=device), subset_index(ids, vocab, device))
 
     def labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,18 +191,16 @@ def prepare_draft_vocab(recipe, run_dir: Path, tokenizer, dataset=None, accelera
     most frequent completion tokens when no top-k was kept) into RUN/draft_vocab.json, which later stages
     and a resumed run read back.
     """
-    from eval.draft_vocab import FILENAME, build_draft_vocab, load_draft_vocab, save_draft_vocab
     from train.generate import load_generated
 
     size = recipe.draft.vocab_size
     if size <= 0:
         return None
     run_dir = Path(run_dir)
-    path = run_dir / FILENAME
+    path = run_dir / DRAFT_VOCAB_FILE
     vocab = len(tokenizer)
-    stored = json.loads(path.read_text()) if path.is_file() else None
     main = accelerator is None or accelerator.is_main_process
-    if main and (stored is None or stored.get("requested") != size):
+    if main and (not path.is_file() or json.loads(path.read_text()).get("requested") != size):
         if not (run_dir / "generate" / "manifest.json").is_file():
             raise UserError(f"recipe key 'draft.vocab_size': the draft vocabulary is chosen from generated data; "
                             f"{run_dir / 'generate'} has none yet (run the generate stage first)")
