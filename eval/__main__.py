@@ -36,9 +36,19 @@ def _positive(text: str) -> int:
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def _confidence(text: str) -> float:
+    value = _fraction(text)
+    if value == 1:
+        raise argparse.ArgumentTypeError("must be below 1 (1 would stop after every token)")
     return value
 
 
@@ -48,7 +58,10 @@ def parse_args(argv=None):
     parser.add_argument("--draft", required=True, help="hub id, local directory, .gguf file or an exported checkpoint")
     parser.add_argument("--prompts", help="JSON lines with `prompt` and optional `id`, `domain` (default: built-in held-out set)")
     parser.add_argument("--num-prompts", type=_positive, default=None, help="use at most N prompts (spread over domains)")
-    parser.add_argument("--k", type=_positive, default=4, help="draft tokens per round")
+    parser.add_argument("--k", type=_positive, default=4, help="draft tokens per round (the cap with --draft-confidence)")
+    parser.add_argument("--draft-confidence", type=_confidence, default=0.0,
+                        help="dynamic draft length: stop a round's drafting after a token of draft probability below this "
+                             "(transformers' assistant_confidence_threshold; default 0: always k)")
     parser.add_argument("--temperatures", type=_temperatures, default=[0.0, 0.7, 1.0], help="comma-separated; 0 = greedy")
     parser.add_argument("--max-new-tokens", type=_positive, default=128)
     parser.add_argument("--top-k", type=int, default=0)
@@ -86,7 +99,8 @@ def main(argv=None):
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
     settings = EvalSettings(k=args.k, temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
                             top_k=args.top_k, top_p=args.top_p, fallback_window=args.fallback_window,
-                            fallback_threshold=args.fallback_threshold, seed=args.seed)
+                            fallback_threshold=args.fallback_threshold, draft_confidence=args.draft_confidence,
+                            seed=args.seed)
     draft_vocab = None
     if not args.full_draft_vocab and Path(args.draft).is_dir():
         try:

@@ -7,6 +7,8 @@ Conventions (also written into every report, see CONVENTIONS):
   target's own token included (not the "accepted drafts only" shortcut alpha(1 - alpha^k)/(1 - alpha)).
 - predicted speedup: expected tokens * t_target(1) / (k * t_draft + t_target(k+1)), the costs measured;
   with t_target(k+1) = t_target(1) this is Leviathan's (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)).
+  It models rounds of a fixed k. With a confidence threshold (dynamic draft length) there is no such k:
+  the prediction is then the best fixed k's (optimal_k), what the same alpha buys without the threshold.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ CONVENTIONS = {
     "slot_acceptance_unconditional": "per draft slot: accepted / rounds that drafted the slot",
     "alpha_by_position": "alpha by position of the drafted token in the generated sequence, buckets " + ", ".join(BUCKET_NAMES),
     "c": "t_draft (one draft token, KV cache) / t_target(1) (one target token, KV cache), measured",
-    "speedup_theoretical": "(1 - alpha^(k+1)) / (1 - alpha) * t_target(1) / (k t_draft + t_target(k+1)), Leviathan et al. 2023 with measured costs",
+    "speedup_theoretical": "(1 - alpha^(k+1)) / (1 - alpha) * t_target(1) / (k t_draft + t_target(k+1)), Leviathan et al. 2023 with measured costs; "
+                           "k = the decoder's k, or optimal_k when draft_confidence > 0 (dynamic draft length has no fixed k)",
+    "drafted_per_round": "total_drafted / rounds (k with a fixed draft length, less with draft_confidence > 0)",
     "speedup_observed": "wall time per generated token of vanilla target decoding / the same of speculative decoding, "
                         "same prompts, same code, one run (the plain wall-time ratio at greedy decoding, where both write "
                         "the same tokens; sampled outputs differ in length, so time is taken per token)",
@@ -155,8 +159,15 @@ def per_token_speedup(vanilla_time: float, vanilla_tokens: int, spec_time: float
     return (vanilla_time / vanilla_tokens) / (spec_time / spec_tokens)
 
 
-def aggregate(records: list[dict], costs: Costs, k: int) -> dict:
-    """Pool per-request records (one temperature, or one domain at one temperature) into metrics."""
+def theory_k(alpha: float, costs: Costs, k: int | None) -> int:
+    """The k `speedup_theoretical` is evaluated at: the decoder's fixed `k`, or (None: dynamic draft length) optimal_k."""
+    return optimal_k(alpha, costs) if k is None else k
+
+
+def aggregate(records: list[dict], costs: Costs, k: int | None) -> dict:
+    """Pool per-request records (one temperature, or one domain at one temperature) into metrics.
+
+    `k`: the decoder's draft length, or None when it was dynamic (a confidence threshold)."""
     total = lambda key: sum(r[key] for r in records)  # noqa: E731
     alpha = ratio(total("beta_sum"), total("verified"))
     slots = len(records[0]["slot_reached"]) if records else 0
@@ -167,7 +178,7 @@ def aggregate(records: list[dict], costs: Costs, k: int) -> dict:
         for b in range(buckets)
     }
     per_request_alpha = [r["alpha"] for r in records if r["alpha"] is not None]
-    theory = predicted_speedup(alpha, k, costs) if alpha is not None else None
+    theory = predicted_speedup(alpha, theory_k(alpha, costs, k), costs) if alpha is not None else None
     observed = per_token_speedup(total("wall_time_vanilla"), sum(r["vanilla_tokens"] for r in records),
                                  total("wall_time_spec"), total("tokens_generated"))
     return {
@@ -180,6 +191,7 @@ def aggregate(records: list[dict], costs: Costs, k: int) -> dict:
         "alpha_empirical": ratio(total("total_accepted"), total("verified")),
         "acceptance_rate": ratio(total("total_accepted"), total("total_drafted")),
         "tau": ratio(total("tokens_generated"), total("rounds")),
+        "drafted_per_round": ratio(total("total_drafted"), total("rounds")),
         "alpha_p50": percentile(per_request_alpha, 50),
         "alpha_p99": percentile(per_request_alpha, 99),
         "slot_acceptance_conditional": [ratio(slot_sum("slot_accepted", i), slot_sum("slot_reached", i)) for i in range(slots)],

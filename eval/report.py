@@ -15,7 +15,8 @@ import torch
 from tqdm.auto import tqdm
 
 from eval.draft_vocab import restricted_head
-from eval.metrics import CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, per_token_speedup, predicted_speedup
+from eval.metrics import (CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, per_token_speedup, predicted_speedup,
+                          theory_k)
 from eval.packed import packed_linears
 from eval.speculative import Sampling, speculative_decode, vanilla_decode
 from train.fsutil import atomic_write_json, atomic_write_text
@@ -31,14 +32,22 @@ class EvalSettings:
     top_p: float = 1.0
     fallback_window: int = 100
     fallback_threshold: float = 0.4
+    draft_confidence: float = 0.0
+    """> 0: dynamic draft length, `k` a cap (`speculative_decode`'s `confidence`)."""
     max_prompt_tokens: int = 512
     seed: int = 0
+
+    @property
+    def fixed_k(self) -> int | None:
+        """The draft length of every round, or None when it is dynamic."""
+        return None if self.draft_confidence > 0 else self.k
 
     @classmethod
     def from_recipe(cls, section, seed: int = 0, max_prompt_tokens: int = 512) -> "EvalSettings":
         return cls(k=section.k, temperatures=tuple(section.temperatures), max_new_tokens=section.max_new_tokens,
                    top_k=section.top_k, top_p=section.top_p, fallback_window=section.fallback_window,
-                   fallback_threshold=section.fallback_threshold, max_prompt_tokens=max_prompt_tokens, seed=seed)
+                   fallback_threshold=section.fallback_threshold, draft_confidence=section.draft_confidence,
+                   max_prompt_tokens=max_prompt_tokens, seed=seed)
 
 
 def eos_ids(tokenizer, model) -> list[int]:
@@ -70,7 +79,7 @@ def _request_record(prompt: Prompt, temperature: float, settings: EvalSettings, 
         "alpha_empirical": spec.alpha_empirical,
         "tau": spec.tau,
         "speedup_observed": per_token_speedup(vanilla.wall_time, vanilla.tokens_generated, spec.wall_time, spec.tokens_generated),
-        "speedup_theoretical": predicted_speedup(alpha, settings.k, costs) if alpha is not None else None,
+        "speedup_theoretical": predicted_speedup(alpha, theory_k(alpha, costs, settings.fixed_k), costs) if alpha is not None else None,
         "fallback_triggered": spec.fallback_triggered,
         "fallback_at": spec.fallback_at,
         "finish_reason": spec.finish_reason,
@@ -131,7 +140,7 @@ def evaluate_pair(
                 spec = speculative_decode(
                     target, draft, ids, k=settings.k, generator=torch.Generator(device).manual_seed(seed),
                     fallback_window=settings.fallback_window, fallback_threshold=settings.fallback_threshold,
-                    draft_vocab=sub_ids, **common,
+                    draft_vocab=sub_ids, confidence=settings.draft_confidence, **common,
                 )
                 records.append(_request_record(prompt, temperature, settings, pair, spec, vanilla, costs))
                 bar.update(1)
@@ -150,9 +159,9 @@ def build_report(records: list[dict], costs, settings: EvalSettings, *, target_n
     by_temperature, by_domain = {}, {}
     for temperature in settings.temperatures:
         group = [r for r in records if r["temperature"] == temperature]
-        by_temperature[temperature] = aggregate(group, costs, settings.k)
+        by_temperature[temperature] = aggregate(group, costs, settings.fixed_k)
         domains = sorted({r["domain"] for r in group})
-        by_domain[temperature] = {d: aggregate([r for r in group if r["domain"] == d], costs, settings.k) for d in domains}
+        by_domain[temperature] = {d: aggregate([r for r in group if r["domain"] == d], costs, settings.fixed_k) for d in domains}
     greedy = [r for r in records if r["temperature"] == 0]
     return {
         "pair": {"target": target_name, "draft": draft_name},
@@ -161,7 +170,7 @@ def build_report(records: list[dict], costs, settings: EvalSettings, *, target_n
         "dtype": dtype,
         "conventions": CONVENTIONS,
         "costs": costs.to_dict(),
-        "overall": aggregate(records, costs, settings.k),
+        "overall": aggregate(records, costs, settings.fixed_k),
         "by_temperature": {str(t): v for t, v in by_temperature.items()},
         "by_domain": {str(t): v for t, v in by_domain.items()},
         "max_profitable_temperature": max_profitable_temperature(by_temperature),
@@ -201,9 +210,10 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
 
 
 def temperature_rows(report: dict) -> tuple[list[str], list[list]]:
-    headers = ["T", "alpha", "alpha_emp", "acc_rate", "tau", "speedup_obs", "speedup_theo", "opt_k", "fallback", "P50 a", "P99 a"]
+    headers = ["T", "alpha", "alpha_emp", "acc_rate", "drafted", "tau", "speedup_obs", "speedup_theo", "opt_k", "fallback",
+               "P50 a", "P99 a"]
     rows = [
-        [float(t), a["alpha"], a["alpha_empirical"], a["acceptance_rate"], a["tau"], a["speedup_observed"],
+        [float(t), a["alpha"], a["alpha_empirical"], a["acceptance_rate"], a.get("drafted_per_round"), a["tau"], a["speedup_observed"],
          a["speedup_theoretical"], a["optimal_k"], a["fallback_rate"], a["alpha_p50"], a["alpha_p99"]]
         for t, a in report["by_temperature"].items()
     ]
@@ -223,8 +233,10 @@ def domain_rows(report: dict) -> tuple[list[str], list[list]]:
 def summary_text(report: dict) -> str:
     costs = report["costs"]
     k = report["settings"]["k"]
+    confidence = report["settings"].get("draft_confidence", 0.0)
+    rounds = f"k={k}" if not confidence else f"k<={k}, a round stops after a draft token of q < {confidence:g}"
     head = (
-        f"pair: {report['pair']['target']} <- {report['pair']['draft']}   k={k}   device={report['device']} ({report['dtype']})"
+        f"pair: {report['pair']['target']} <- {report['pair']['draft']}   {rounds}   device={report['device']} ({report['dtype']})"
         + (f"   draft vocabulary: {report['draft_vocab_size']} tokens" if report.get("draft_vocab_size") else "") + "\n"
         f"costs: draft {costs['t_draft_ms']:.1f} ms/token, target {costs['t_target_ms']['1']:.1f} ms (1 token), "
         f"{costs['t_target_ms'][str(k + 1)]:.1f} ms ({k + 1} tokens), c = {costs['c']:.3f}\n"

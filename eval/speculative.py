@@ -204,6 +204,13 @@ def _target_step(target: CachedLM, tokens: list[int], sampling: Sampling, genera
     return int(_pick(scores, sampling, generator))
 
 
+def _draft_probability(q_logits: torch.Tensor, q_row: torch.Tensor, token: int, sampling: Sampling) -> float:
+    """q(token): the draft's probability of its own pick (the softmax of the logits at greedy decoding)."""
+    if sampling.greedy:
+        return float(q_logits.float().softmax(-1)[token])
+    return float(q_row[token])
+
+
 def residual_distribution(p_target: torch.Tensor, p_draft: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p_target - p_draft)): where the token comes from after a rejection, (V,) -> (V,)."""
     residual = (p_target - p_draft).clamp_min(0)
@@ -268,6 +275,7 @@ def speculative_decode(
     fallback_threshold: float = 0.0,
     vocab_size: int | None = None,
     draft_vocab: torch.Tensor | None = None,
+    confidence: float = 0.0,
 ) -> DecodeResult:
     """Decode one request with `draft` proposing `k` tokens a round and `target` verifying them.
 
@@ -276,6 +284,11 @@ def speculative_decode(
     `eval.draft_vocab.restricted_head` (None: the full vocabulary).
     `fallback_window`/`fallback_threshold`: when the mean of the last `fallback_window` acceptance
     outcomes falls below the threshold, the request finishes with vanilla decoding.
+    `confidence`: dynamic draft length. A round stops drafting after a token the draft gives a probability
+    below this (its own q, after temperature and filters), so `k` becomes a cap: long drafts where the
+    draft is sure, short ones where it is not (transformers' `assistant_confidence_threshold`). The length
+    depends only on the draft's own picks, so each kept token still passes the same acceptance test and
+    the output distribution is unchanged. 0 (the default): always `k` tokens a round.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -310,6 +323,9 @@ def speculative_decode(
             drafted.append(token)
             q_rows.append(q_row)
             pending = [token]
+            if confidence > 0 and _draft_probability(q_logits, q_row, token, sampling) < confidence:
+                break  # an unsure draft: verify what we have rather than draft past it
+        k_round = len(drafted)
 
         # Verify all k in one target pass over [last, d_1..d_k]: row i scores d_{i+1}, row k is the bonus.
         p_logits = p_lm.forward([tokens[-1]] + drafted, keep=k_round + 1)  # (k+1, V)

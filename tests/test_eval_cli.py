@@ -70,6 +70,32 @@ def test_bad_prompt_file_names_file_and_line(tmp_path, tiny_target_dir, capsys):
     assert code == 2 and "must be >= 1" in line
     code, line = run_eval(["--target", str(tiny_target_dir), "--draft", str(tiny_target_dir), "--temperatures", "0,-1"], capsys)
     assert code == 2 and "temperatures must be >= 0" in line
+    code, line = run_eval(["--target", str(tiny_target_dir), "--draft", str(tiny_target_dir), "--draft-confidence", "1"], capsys)
+    assert code == 2 and "must be below 1" in line
+
+
+def test_eval_with_a_dynamic_draft_length(tmp_path, tiny_target_dir, tiny_draft_dir, capsys):
+    """--draft-confidence: k is a cap, drafted_per_round says how many were drafted, the theory is the best fixed k's,
+    and the export writes what transformers needs to draft the same way."""
+    from eval.metrics import Costs, predicted_speedup
+    from train.export import assistant_settings
+
+    out = tmp_path / "out"
+    eval_main(["--target", str(tiny_target_dir), "--draft", str(tiny_target_dir), "--k", "6", "--draft-confidence", "0.9",
+               "--temperatures", "0,1", "--max-new-tokens", "24", "--num-prompts", "3", "--out", str(out), "--quiet",
+               "--no-plots"])
+    assert "k<=6, a round stops after a draft token of q < 0.9" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["draft_confidence"] == 0.9 and report["greedy_identical_to_vanilla"] == 1.0
+    costs = Costs.from_dict(report["costs"])
+    for agg in report["by_temperature"].values():
+        # The target as its own draft: every draft is accepted, so a round stops early only where it is unsure.
+        assert 1 <= agg["drafted_per_round"] < 6
+        assert agg["total_drafted"] == pytest.approx(agg["drafted_per_round"] * agg["rounds"])
+        assert agg["speedup_theoretical"] == pytest.approx(predicted_speedup(agg["alpha"], agg["optimal_k"], costs))
+    assert assistant_settings(report) == (6, 0.9)
+    fixed = {**report, "settings": {**report["settings"], "draft_confidence": 0.0}}
+    assert assistant_settings(fixed) == (report["by_temperature"]["0.0"]["optimal_k"], 0.0)
 
 
 def test_observed_speedup_is_taken_per_token():

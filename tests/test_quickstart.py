@@ -43,4 +43,8 @@ def test_quickstart_smoke_runs_end_to_end_and_resumes_after_a_kill(tmp_path):
         assert (export / name).is_file(), name
     report = json.loads((run_dir / "eval" / summary["best"] / "report.json").read_text())
     assert report["greedy_identical_to_vanilla"] == 1.0
+    # Measured with a dynamic draft length; transformers is told the same cap and threshold.
+    assert all(t["drafted_per_round"] <= 4 for t in report["by_temperature"].values())
+    generation = json.loads((export / "generation_config.json").read_text())
+    assert generation["num_assistant_tokens"] == 4 and generation["assistant_confidence_threshold"] == 0.5
     assert "best" in done.stdout  # the checkpoint table is printed

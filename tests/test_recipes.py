@@ -69,6 +69,7 @@ BAD = [
     ({"distill": {"batch_size": -2}}, "recipe key 'distill.batch_size': must be > 0"),
     ({"distill": {"losses": {"kl": 1.0}}}, "recipe key 'distill.losses.kl': unknown loss"),
     ({"eval": {"k": 0}}, "recipe key 'eval.k': must be >= 1"),
+    ({"eval": {"draft_confidence": 1.0}}, "recipe key 'eval.draft_confidence': must be in"),
     ({"eval": {"temperatures": [0.7, -1]}}, "recipe key 'eval.temperatures': temperatures must be >= 0"),
     ({"generate": {"temperatures": [-0.5]}}, "recipe key 'generate.temperatures'"),
     ({"draft": {"init": "magic"}}, "recipe key 'draft.init': expected one of"),

@@ -105,3 +105,23 @@ def test_sampled_output_follows_target_with_a_reduced_draft_vocabulary(pair):
     expected = exact_two_token_distribution(target, sampling)
     assert expected[[i for i in range(V) if i not in ids]].sum() > 0.2, "the target must often pick tokens outside"
     assert chi_square_pvalue(counts, expected.flatten() * N) > 1e-3
+
+
+def test_sampled_output_follows_target_with_a_dynamic_draft_length(pair):
+    """Drafting stops after a draft token of q < 0.17 (two tokens at most; about a third of the draft's first
+    picks are below it): whether the second token comes from
+    an accepted draft or from the target's bonus, the first two tokens still follow p_target."""
+    target, draft = pair
+    sampling = Sampling(1.0)
+    g = torch.Generator().manual_seed(7)
+    counts = torch.zeros(V * V, dtype=torch.float64)
+    first_round = [0, 0]  # rounds drafting slot 0, slot 1
+    for _ in range(N):
+        out = speculative_decode(target, draft, PROMPT, k=2, max_new_tokens=3, sampling=sampling, generator=g,
+                                 confidence=0.17)
+        counts[out.output_ids[0] * V + out.output_ids[1]] += 1
+        first_round[0] += out.slot_rounds[0] > 0
+        first_round[1] += out.slot_rounds[1] > 0
+    assert 0.1 * N < first_round[1] < 0.9 * N, "the threshold must cut some first rounds short and not others"
+    expected = exact_two_token_distribution(target, sampling).flatten() * N
+    assert chi_square_pvalue(counts, expected) > 1e-3

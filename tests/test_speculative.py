@@ -69,6 +69,36 @@ def test_greedy_speculative_equals_vanilla(target, which, k):
         assert spec.tokens_generated == 40
 
 
+@pytest.mark.parametrize("which", ["random", "trained"])
+def test_greedy_speculative_equals_vanilla_with_a_dynamic_draft_length(target, which):
+    draft = make_model(V, layers=1, hidden=32, seed=7) if which == "random" else trained_draft(target)
+    k = 6
+    lengths = set()
+    for prompt in PROMPTS:
+        vanilla = vanilla_decode(target, prompt, max_new_tokens=40)
+        with torch.no_grad():  # a threshold the draft's confidence crosses often: its median on this text
+            confidence = float(draft(torch.tensor([prompt + vanilla.output_ids])).logits.softmax(-1).amax(-1).median())
+        spec = speculative_decode(target, draft, prompt, k=k, max_new_tokens=40, confidence=confidence)
+        assert spec.output_ids == vanilla.output_ids
+        assert spec.rounds - 1 <= spec.slot_rounds[0] <= spec.rounds  # every round drafts a token (but a last one of 0)
+        lengths.update(i + 1 for i in range(k) if spec.slot_rounds[i] > (spec.slot_rounds[i + 1] if i + 1 < k else 0))
+    assert len(lengths) > 1, "the threshold should give rounds of different lengths"
+
+
+def test_draft_confidence_sets_the_draft_length(target):
+    """0 drafts k tokens a round; a threshold above every probability stops every round after one token."""
+    n = 41
+    vanilla = vanilla_decode(target, PROMPTS[0], max_new_tokens=n)
+    never = next(t for t in range(V) if t not in vanilla.output_ids)
+    fixed = speculative_decode(target, StubDraft(target, never), PROMPTS[0], k=4, max_new_tokens=n)
+    # One token a round (never accepted); a round drafts min(4, tokens left - 1): 37 rounds of 4, then 3, 2, 1, 0.
+    assert fixed.rounds == n and fixed.slot_rounds == [40, 39, 38, 37]
+    draft = make_model(V, layers=1, hidden=32, seed=7)  # its probabilities stay far below 0.999
+    one = speculative_decode(target, draft, PROMPTS[0], k=4, max_new_tokens=n, confidence=0.999)
+    assert one.total_drafted == one.slot_rounds[0] > 0 and one.slot_rounds[1:] == [0, 0, 0]
+    assert one.output_ids == vanilla.output_ids
+
+
 def test_eos_stops_both_decoders(target):
     vanilla = vanilla_decode(target, PROMPTS[0], max_new_tokens=30)
     eos = vanilla.output_ids[12]

@@ -1,7 +1,9 @@
 """The export stage: the best checkpoint (by measured speedup, see eval/stage.py) as a plain Hugging Face model.
 
 RUN/export/ holds safetensors weights, config, tokenizer, a generation_config.json whose
-`num_assistant_tokens` is the measured optimal k (schedule `constant`), and a README.md model card
+`num_assistant_tokens` is the measured optimal k (schedule `constant`; with a dynamic draft length,
+`eval.draft_confidence` > 0, the k it was measured with and `assistant_confidence_threshold` beside it),
+and a README.md model card
 with the pair, the recipe and the measured tables, the plots beside it. It loads with
 `AutoModelForCausalLM.from_pretrained` and serves as `assistant_model=` in `generate()` with no
 project code. The directory is built under a temporary name and renamed when complete.
@@ -33,14 +35,31 @@ def best_report(run_dir: Path) -> tuple[str, dict, dict]:
 
 
 def serving_k(report: dict) -> int:
-    """The optimal k measured at greedy decoding (the assistant's default), else at the lowest temperature."""
+    """The optimal fixed k measured at greedy decoding (the assistant's default), else at the lowest temperature."""
     by_t = report["by_temperature"]
     key = "0.0" if "0.0" in by_t else min(by_t, key=float)
     return int(by_t[key]["optimal_k"] or report["settings"]["k"])
 
 
-def model_card(recipe, tag: str, report: dict, summary: dict, plots: list[str], k: int) -> str:
+def assistant_settings(report: dict) -> tuple[int, float]:
+    """(num_assistant_tokens, assistant_confidence_threshold) for transformers, as the draft was measured: the
+    optimal fixed k and no threshold, or with a dynamic draft length the k it capped and its threshold. The
+    threshold is written even when 0, or transformers would apply its own default (0.4)."""
+    confidence = float(report["settings"].get("draft_confidence") or 0.0)
+    if confidence > 0:
+        return int(report["settings"]["k"]), confidence
+    return serving_k(report), 0.0
+
+
+def model_card(recipe, tag: str, report: dict, summary: dict, plots: list[str]) -> str:
     pair = report["pair"]
+    k, confidence = assistant_settings(report)
+    fixed_k = serving_k(report)
+    generate_note = (f"up to {k} draft tokens a round, stopping after one of draft probability < {confidence:g}"
+                     if confidence else f"k = {k}")
+    measured_with = f"k = {k}" if not confidence else (
+        f"a dynamic draft length (at most {k} tokens a round, a round's drafting stops after a token the draft gives "
+        f"a probability below {confidence:g})")
     costs = report["costs"]
     t_headers, t_rows = temperature_rows(report)
     d_headers, d_rows = domain_rows(report)
@@ -71,16 +90,16 @@ target = AutoModelForCausalLM.from_pretrained("{recipe.target.model}")
 draft = AutoModelForCausalLM.from_pretrained("path/to/this/directory")
 tok = AutoTokenizer.from_pretrained("path/to/this/directory")
 inputs = tok("Write a haiku about rivers.", return_tensors="pt")
-out = target.generate(**inputs, assistant_model=draft, max_new_tokens=64)  # k = {k} from generation_config.json
+out = target.generate(**inputs, assistant_model=draft, max_new_tokens=64)  # {generate_note}, from generation_config.json
 ```
 
-vLLM: `vllm serve {recipe.target.model} --speculative-config '{{"model": "path/to/this/directory", "num_speculative_tokens": {k}}}'`
+vLLM (a fixed k: the optimal k for the measured alpha and costs): `vllm serve {recipe.target.model} --speculative-config '{{"model": "path/to/this/directory", "num_speculative_tokens": {fixed_k}}}'`
 
 ## Measurements
 
-Measured by specdistill's own speculative decoder on {requests} held-out prompts, device `{report['device']}` ({report['dtype']}), k = {report['settings']['k']}, against vanilla decoding
+Measured by specdistill's own speculative decoder on {requests} held-out prompts, device `{report['device']}` ({report['dtype']}), {measured_with}, against vanilla decoding
 of the same target in the same run. Costs: draft {costs['t_draft_ms']:.1f} ms/token, target
-{costs['t_target_ms']['1']:.1f} ms/token, c = {costs['c']:.3f}. Optimal k from the measured alpha and costs: {k}.{vocab_note}
+{costs['t_target_ms']['1']:.1f} ms/token, c = {costs['c']:.3f}. Optimal fixed k from the measured alpha and costs: {fixed_k}.{vocab_note}
 
 Conventions:
 
@@ -125,7 +144,7 @@ def run_export_stage(recipe, tokenizer, run_dir: Path, draft=None, dtype=None) -
         raise UserError(f"export: the best measured draft '{tag}' is not a checkpoint; run distill first")
     if dtype is not None:
         model = cast_weights(model, dtype)
-    k = serving_k(report)
+    k, confidence = assistant_settings(report)
     final, tmp = run_dir / "export", run_dir / ".export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -134,6 +153,7 @@ def run_export_stage(recipe, tokenizer, run_dir: Path, draft=None, dtype=None) -
     generation = model.generation_config
     generation.num_assistant_tokens = k
     generation.num_assistant_tokens_schedule = "constant"
+    generation.assistant_confidence_threshold = confidence
     generation.save_pretrained(tmp)
     if (source / DRAFT_VOCAB_FILE).is_file():  # read by specdistill's decoder; transformers and vLLM use the full head
         shutil.copy2(source / DRAFT_VOCAB_FILE, tmp / DRAFT_VOCAB_FILE)
@@ -144,12 +164,12 @@ def run_export_stage(recipe, tokenizer, run_dir: Path, draft=None, dtype=None) -
             (tmp / "plots").mkdir(exist_ok=True)
             shutil.copy2(src, tmp / "plots" / src.name)
             plots.append(src.name)
-    atomic_write_text(tmp / "README.md", model_card(recipe, tag, report, summary, plots, k))
+    atomic_write_text(tmp / "README.md", model_card(recipe, tag, report, summary, plots))
     (tmp / "specdistill_report.json").write_text(json.dumps(report, indent=2))
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
-    log(f"export: {tag} written to {final} (num_assistant_tokens = {k})")
+    log(f"export: {tag} written to {final} (num_assistant_tokens = {k}, assistant_confidence_threshold = {confidence:g})")
     if recipe.export.push_to_hub:
         from huggingface_hub import create_repo, upload_folder
 

@@ -198,7 +198,10 @@ class EvalSection:
     """Every checkpoint is measured with the built-in speculative decoder."""
 
     k: int = 4
-    """Draft tokens per round."""
+    """Draft tokens per round (the most per round when draft_confidence > 0)."""
+    draft_confidence: float = 0.0
+    """Dynamic draft length: a round stops drafting after a token the draft gives a probability below this
+    (transformers' assistant_confidence_threshold; exact either way). 0: always k tokens."""
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
     max_new_tokens: int = 128
     num_prompts: int = 16
@@ -220,6 +223,7 @@ class EvalSection:
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables)")
         _check(0 <= self.fallback_threshold <= 1, "fallback_threshold", "must be in [0, 1]")
+        _check(0 <= self.draft_confidence < 1, "draft_confidence", f"must be in [0, 1), got {self.draft_confidence}")
 
 
 @dataclass
