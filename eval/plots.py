@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from eval.metrics import Costs, predicted_speedup  # noqa: E402
+from eval.metrics import Costs, predicted_speedup, theory_k  # noqa: E402
 
 
 def _save(fig, path: Path) -> str:
@@ -58,9 +58,11 @@ def plot_alpha_by_temperature_domain(report: dict, path: Path) -> str:
 
 def plot_speedup_vs_alpha(report: dict, records: list[dict], path: Path) -> str:
     costs, k = Costs.from_dict(report["costs"]), report["settings"]["k"]
+    fixed_k = None if report["settings"].get("draft_confidence") else k  # dynamic draft length: the best fixed k's curve
     grid = [i / 100 for i in range(101)]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(grid, [predicted_speedup(a, k, costs) for a in grid], "k-", label=f"theory, k={k}, measured costs")
+    ax.plot(grid, [predicted_speedup(a, theory_k(a, costs, fixed_k), costs) for a in grid], "k-",
+            label=f"theory, {'best fixed k' if fixed_k is None else f'k={k}'}, measured costs")
     for t in report["by_temperature"]:
         pts = [(r["alpha"], r["speedup_observed"]) for r in records if str(r["temperature"]) == t and r["alpha"] is not None]
         color = None
