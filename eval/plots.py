@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from eval.metrics import Costs, predicted_speedup, theory_k  # noqa: E402
+from eval.report import EvalSettings  # noqa: E402
 
 
 def _save(fig, path: Path) -> str:
@@ -58,7 +59,7 @@ def plot_alpha_by_temperature_domain(report: dict, path: Path) -> str:
 
 def plot_speedup_vs_alpha(report: dict, records: list[dict], path: Path) -> str:
     costs, k = Costs.from_dict(report["costs"]), report["settings"]["k"]
-    fixed_k = None if report["settings"].get("draft_confidence") else k  # dynamic draft length: the best fixed k's curve
+    fixed_k = EvalSettings.of_report(report).fixed_k  # None (dynamic draft length): the best fixed k's curve
     grid = [i / 100 for i in range(101)]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(grid, [predicted_speedup(a, theory_k(a, costs, fixed_k), costs) for a in grid], "k-",

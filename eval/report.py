@@ -49,6 +49,11 @@ class EvalSettings:
                    fallback_threshold=section.fallback_threshold, draft_confidence=section.draft_confidence,
                    max_prompt_tokens=max_prompt_tokens, seed=seed)
 
+    @classmethod
+    def of_report(cls, report: dict) -> "EvalSettings":
+        """The settings a report was measured with (its `settings`; a key older reports lack takes its default)."""
+        return cls(**{**report["settings"], "temperatures": tuple(report["settings"]["temperatures"])})
+
 
 def eos_ids(tokenizer, model) -> list[int]:
     ids = set()
@@ -232,9 +237,9 @@ def domain_rows(report: dict) -> tuple[list[str], list[list]]:
 
 def summary_text(report: dict) -> str:
     costs = report["costs"]
-    k = report["settings"]["k"]
-    confidence = report["settings"].get("draft_confidence", 0.0)
-    rounds = f"k={k}" if not confidence else f"k<={k}, a round stops after a draft token of q < {confidence:g}"
+    settings = EvalSettings.of_report(report)
+    k = settings.k
+    rounds = f"k={k}" if settings.fixed_k else f"k<={k}, a round stops after a draft token of q < {settings.draft_confidence:g}"
     head = (
         f"pair: {report['pair']['target']} <- {report['pair']['draft']}   {rounds}   device={report['device']} ({report['dtype']})"
         + (f"   draft vocabulary: {report['draft_vocab_size']} tokens" if report.get("draft_vocab_size") else "") + "\n"

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from eval.draft_vocab import FILENAME as DRAFT_VOCAB_FILE
-from eval.report import domain_rows, markdown_table, temperature_rows
+from eval.report import EvalSettings, domain_rows, markdown_table, temperature_rows
 from eval.stage import summary_table
 from train.errors import UserError
 from train.fsutil import atomic_write_text
@@ -45,9 +45,9 @@ def assistant_settings(report: dict) -> tuple[int, float]:
     """(num_assistant_tokens, assistant_confidence_threshold) for transformers, as the draft was measured: the
     optimal fixed k and no threshold, or with a dynamic draft length the k it capped and its threshold. The
     threshold is written even when 0, or transformers would apply its own default (0.4)."""
-    confidence = float(report["settings"].get("draft_confidence") or 0.0)
-    if confidence > 0:
-        return int(report["settings"]["k"]), confidence
+    settings = EvalSettings.of_report(report)
+    if settings.fixed_k is None:
+        return settings.k, settings.draft_confidence
     return serving_k(report), 0.0
 
 
