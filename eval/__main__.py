@@ -11,7 +11,7 @@ from eval.draft_vocab import FILENAME, load_draft_vocab
 from eval.report import EvalSettings, evaluate_pair, summary_text
 from train.errors import UserError, cli_main
 from train.models import check_model_vocab, check_same_tokenizer, load_model, load_tokenizer, pick_device
-from train.prompts import builtin_prompts, read_jsonl_prompts, spread
+from train.prompts import eval_prompt_set, spread
 from train.recipe import DEFAULT_TARGET
 
 
@@ -56,7 +56,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m eval", description=__doc__)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="hub id, local directory, .gguf file or the default name")
     parser.add_argument("--draft", required=True, help="hub id, local directory, .gguf file or an exported checkpoint")
-    parser.add_argument("--prompts", help="JSON lines with `prompt` and optional `id`, `domain` (default: built-in held-out set)")
+    parser.add_argument("--prompts", default="independent",
+                        help="`independent` (the hand-written evaluation set, default), `held_out` (built-in template "
+                             "families training never sees), or JSON lines with `prompt` and optional `id`, `domain`")
     parser.add_argument("--num-prompts", type=_positive, default=None, help="use at most N prompts (spread over domains)")
     parser.add_argument("--k", type=_positive, default=4, help="draft tokens per round (the cap with --draft-confidence)")
     parser.add_argument("--draft-confidence", type=_confidence, default=0.0,
@@ -85,8 +87,7 @@ def parse_args(argv=None):
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
-    prompts = read_jsonl_prompts(args.prompts) if args.prompts else builtin_prompts("held_out")
-    prompts = spread(prompts, args.num_prompts)
+    prompts = spread(eval_prompt_set(args.prompts), args.num_prompts)
     device = pick_device(args.device)
     target_tok = load_tokenizer(args.target, trust_remote_code=args.trust_remote_code)
     draft_tok = load_tokenizer(args.draft, trust_remote_code=args.trust_remote_code)

@@ -15,13 +15,11 @@ from eval.metrics import Costs, alpha_needed
 from eval.report import EvalSettings, evaluate_pair, format_table, summary_text
 from train.fsutil import atomic_write_json, atomic_write_text
 from train.models import log
-from train.prompts import builtin_prompts, read_jsonl_prompts, spread
+from train.prompts import eval_prompt_set, spread
 
 
 def eval_prompts(recipe):
-    section = recipe.eval
-    prompts = read_jsonl_prompts(section.prompts) if section.prompts else builtin_prompts("held_out")
-    return spread(prompts, section.num_prompts)
+    return spread(eval_prompt_set(recipe.eval.prompts), recipe.eval.num_prompts)
 
 
 def run_eval_stage(recipe, target, draft, tokenizer, draft_name: str, run_dir: Path, tag: str = "init",

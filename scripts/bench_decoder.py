@@ -110,7 +110,7 @@ def main():
     target = load_model(args.target, device="cpu" if not torch.cuda.is_available() else None)
     layers = [int(i) for i in args.layers.split(",")]
     eos = eos_ids(tokenizer, target)
-    prompts = [encode_prompt(tokenizer, p) for p in spread(builtin_prompts("held_out"), args.prompts)]
+    prompts = [encode_prompt(tokenizer, p) for p in spread(builtin_prompts("independent"), args.prompts)]
     layer_draft = draft_from_layers(target, layers).to(target.device).eval()
     rows = [
         bench_pair(name, target, draft, prompts, args.k, args.max_new_tokens, eos, len(tokenizer), packed)
@@ -122,7 +122,7 @@ def main():
     table = [[r["pair"], r["linears"], r["alpha"], r["tau"], r["c"], r["tokens_per_s_vanilla"], r["tokens_per_s_ours"],
               r["tokens_per_s_assisted"], r["ours_over_assisted_time"], r["speedup_observed"],
               r["speedup_theoretical"], r["observed_over_theoretical"], r["greedy_identical"]] for r in rows]
-    print(f"greedy, k={args.k}, {len(prompts)} held-out prompts, {args.max_new_tokens} new tokens, "
+    print(f"greedy, k={args.k}, {len(prompts)} independent evaluation prompts, {args.max_new_tokens} new tokens, "
           f"device {target.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(format_table(headers, table))
     costs = {r["linears"]: r["costs"]["t_target_ms"] for r in rows if r["pair"] == "target as its own draft"}

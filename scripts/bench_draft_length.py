@@ -1,6 +1,6 @@
 """Benchmark the draft length: python scripts/bench_draft_length.py --draft runs/default/export [--configs 3:0,8:0.5] ...
 
-For one (target, draft) pair on the built-in held-out prompts it decodes every prompt at every temperature
+For one (target, draft) pair on the independent evaluation prompts it decodes every prompt at every temperature
 once with vanilla decoding and once per config, back to back in one run. A config is `k:confidence`: at most k
 draft tokens a round, a round stopping after a draft token of probability below `confidence` (0: always k;
 `speculative_decode`'s `confidence`, the recipe's `eval.draft_confidence`). The draft's `draft_vocab.json` is
@@ -59,7 +59,7 @@ def main() -> None:
     draft = load_model(args.draft, dtype=args.draft_dtype, device=device)
     vocab_ids = load_draft_vocab(args.draft) if Path(args.draft).is_dir() else None
     sub_ids = None if vocab_ids is None else torch.tensor(vocab_ids)
-    prompts = spread(builtin_prompts("held_out"), args.num_prompts)
+    prompts = spread(builtin_prompts("independent"), args.num_prompts)
     encoded = [encode_prompt(tokenizer, p, 512) for p in prompts]
     eos, vocab = eos_ids(tokenizer, target), len(tokenizer)
     temperatures = [float(t) for t in args.temperatures.split(",")]

@@ -1,7 +1,10 @@
 """Regenerate the built-in prompt set: `python scripts/make_prompts.py` writes train/data/prompts.jsonl.
 
 Prompts come from templates over five domains (code, math, json, prose, chat), seeded, so the
-file is reproducible; the train / held-out split is fixed by id (see train/prompts.py).
+file is reproducible. Each prompt records its family (the template it was written from); the
+held-out split is whole families (HELD_OUT_FAMILIES), so no template is on both sides. These are
+template siblings all the same: the independent set (train/data/independent.jsonl, written by hand)
+is what the default eval measures.
 """
 
 import json
@@ -74,32 +77,40 @@ CHAT_FORMS = [
 ]
 
 
+# One family per domain is held out whole (the last form of each list, and the extra JSON form).
+HELD_OUT_FAMILIES = {"code-2", "math-5", "json-2", "prose-3", "chat-3"}
+
+
 def main():
     rng = random.Random(0)
     rows = []
 
-    def add(domain, prompt):
-        rows.append({"id": f"{domain}-{sum(r['domain'] == domain for r in rows):04d}", "domain": domain, "prompt": prompt})
+    def add(domain, form_index, prompt):
+        family = f"{domain}-{form_index}"
+        rows.append({"id": f"{domain}-{sum(r['domain'] == domain for r in rows):04d}", "domain": domain,
+                     "family": family, "split": "held_out" if family in HELD_OUT_FAMILIES else "train",
+                     "prompt": prompt})
 
     for task in CODE_TASKS:
-        for form in CODE_FORMS:
-            add("code", form.format(lang=rng.choice(LANGS), task=task))
+        for i, form in enumerate(CODE_FORMS):
+            add("code", i, form.format(lang=rng.choice(LANGS), task=task))
     for _ in range(120):
         a, b = rng.randint(2, 99), rng.randint(2, 99)
-        add("math", rng.choice(MATH_FORMS).format(a=a, b=b, c=a * rng.randint(1, 9) + b))
+        i = rng.randrange(len(MATH_FORMS))
+        add("math", i, MATH_FORMS[i].format(a=a, b=b, c=a * rng.randint(1, 9) + b))
     for entity, fields in ENTITIES:
-        for form in JSON_FORMS:
-            add("json", form.format(entity=entity, fields=fields))
+        for i, form in enumerate(JSON_FORMS):
+            add("json", i, form.format(entity=entity, fields=fields))
     for topic in TOPICS:
-        for form in PROSE_FORMS:
-            add("prose", form.format(topic=topic))
+        for i, form in enumerate(PROSE_FORMS):
+            add("prose", i, form.format(topic=topic))
     for topic in CHAT_TOPICS:
-        for form in CHAT_FORMS:
-            add("chat", form.format(topic=topic, topic_ing=topic))
+        for i, form in enumerate(CHAT_FORMS):
+            add("chat", i, form.format(topic=topic, topic_ing=topic))
     # More JSON variety: the domain is small otherwise.
     for entity, fields in ENTITIES:
         for n in (1, 3):
-            add("json", f"Output {n} JSON object(s) for {entity}; keys: {fields}. No prose.")
+            add("json", len(JSON_FORMS), f"Output {n} JSON object(s) for {entity}; keys: {fields}. No prose.")
     out = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {len(rows)} prompts to {out}")

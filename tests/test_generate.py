@@ -142,10 +142,29 @@ def test_prompt_sources_csv_parquet_and_saved_dataset(tmp_path):
     assert load_prompts(recipe.data)[0].as_messages() == [{"role": "user", "content": "hi"}]
 
 
-def test_builtin_prompt_set_is_varied_and_split():
+def test_builtin_split_leaves_no_template_family_on_both_sides():
     from train.prompts import builtin_prompts
 
     train, held_out = builtin_prompts("train"), builtin_prompts("held_out")
-    assert len(train) + len(held_out) >= 300
+    assert len(train) + len(held_out) == len(builtin_prompts("all")) >= 300
     assert {p.domain for p in held_out} == {"code", "math", "json", "prose", "chat"}
+    assert all(p.family for p in train + held_out)
+    assert not {p.family for p in train} & {p.family for p in held_out}
     assert not {p.id for p in train} & {p.id for p in held_out}
+
+
+def test_independent_set_is_large_varied_and_shares_nothing_with_the_builtin_set():
+    from train.prompts import builtin_prompts, eval_prompt_set
+
+    independent = eval_prompt_set("independent")
+    builtin = builtin_prompts("all")
+    assert len(independent) >= 150
+    counts = {d: sum(p.domain == d for p in independent) for d in ("code", "math", "json", "prose", "chat")}
+    assert min(counts.values()) >= 30, counts
+    assert len({p.id for p in independent}) == len(independent)
+    # Not written from the templates: no shared opening, and varied openings among themselves.
+    openings = {p.prompt[:25].lower() for p in builtin}
+    assert not [p.prompt for p in independent if p.prompt[:25].lower() in openings]
+    assert len({p.prompt[:25].lower() for p in independent}) >= 0.95 * len(independent)
+    lengths = sorted(len(p.prompt.split()) for p in independent)
+    assert lengths[0] <= 8 and lengths[-1] >= 25  # short and long requests

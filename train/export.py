@@ -97,7 +97,7 @@ vLLM (a fixed k: the optimal k for the measured alpha and costs): `vllm serve {r
 
 ## Measurements
 
-Measured by specdistill's own speculative decoder on {requests} held-out prompts, device `{report['device']}` ({report['dtype']}), {measured_with}, against vanilla decoding
+Measured by specdistill's own speculative decoder on {requests} evaluation prompts, device `{report['device']}` ({report['dtype']}), {measured_with}, against vanilla decoding
 of the same target in the same run. Costs: draft {costs['t_draft_ms']:.1f} ms/token, target
 {costs['t_target_ms']['1']:.1f} ms/token, c = {costs['c']:.3f}. Optimal fixed k from the measured alpha and costs: {fixed_k}.{vocab_note}
 

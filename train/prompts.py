@@ -1,20 +1,28 @@
-"""Prompt sets: the built-in set (train / held-out split fixed by id), JSON lines, CSV, parquet, hub datasets.
+"""Prompt sets: the built-in set (train / held-out split by template family), the independent
+evaluation set, JSON lines, CSV, parquet, hub datasets.
 
 A prompt is a user message (the chat template is applied when the tokenizer has one) or a list of
 chat messages, with an `id` and a `domain` used to break metrics down.
+
+Two evaluation sets ship with specdistill:
+- `held_out`: built-in prompts of template families the train split never uses (scripts/make_prompts.py);
+  still template siblings of the training prompts in style and topic;
+- `independent`: 160 prompts written by hand over the five domains, of varied length, style and task,
+  not from any template and never used for training. The default eval measures on it, since a user's
+  prompts look like it.
 """
 
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from train.errors import UserError
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "prompts.jsonl"
-HELD_OUT_BUCKETS = 8  # one id in eight (by CRC32) is held out
+INDEPENDENT_PATH = Path(__file__).parent / "data" / "independent.jsonl"
+EVAL_SETS = ("independent", "held_out")
 
 
 @dataclass
@@ -24,13 +32,12 @@ class Prompt:
     prompt: str | None = None
     messages: list[dict] | None = None
     """Chat messages [{role, content}, ...]; when set, used instead of `prompt`."""
+    family: str | None = None
+    """The template a built-in prompt was written from (held-out families never appear in training)."""
+    split: str | None = None
 
     def as_messages(self) -> list[dict]:
         return self.messages if self.messages is not None else [{"role": "user", "content": self.prompt}]
-
-
-def is_held_out(prompt_id: str) -> bool:
-    return zlib.crc32(prompt_id.encode()) % HELD_OUT_BUCKETS == 0
 
 
 def row_to_prompt(row: dict, index: int, where: str, *, prompt_column="prompt", id_column="id",
@@ -54,7 +61,7 @@ def row_to_prompt(row: dict, index: int, where: str, *, prompt_column="prompt", 
     pid = row.get(id_column) if id_column else None
     domain = row.get(domain_column) if domain_column else None
     return Prompt(id=str(pid) if pid is not None else str(index), domain=str(domain or "general"),
-                  prompt=text, messages=messages)
+                  prompt=text, messages=messages, family=row.get("family"), split=row.get("split"))
 
 
 def read_jsonl_prompts(path: str | Path, **columns) -> list[Prompt]:
@@ -79,12 +86,16 @@ def read_jsonl_prompts(path: str | Path, **columns) -> list[Prompt]:
 
 
 def builtin_prompts(split: str = "train") -> list[Prompt]:
-    """The prompt set shipped with specdistill; `split` is `train`, `held_out` or `all`."""
+    """The prompt sets shipped with specdistill; `split` is `train`, `held_out`, `all` or `independent`."""
+    if split == "independent":
+        return read_jsonl_prompts(INDEPENDENT_PATH)
     prompts = read_jsonl_prompts(BUILTIN_PATH)
-    if split == "all":
-        return prompts
-    want_held_out = split == "held_out"
-    return [p for p in prompts if is_held_out(p.id) == want_held_out]
+    return prompts if split == "all" else [p for p in prompts if p.split == split]
+
+
+def eval_prompt_set(name: str) -> list[Prompt]:
+    """An evaluation set by name (`independent`, `held_out`) or a JSON lines file of prompts."""
+    return builtin_prompts(name) if name in EVAL_SETS else read_jsonl_prompts(name)
 
 
 def spread(prompts: list[Prompt], n: int | None) -> list[Prompt]:

@@ -205,9 +205,10 @@ class EvalSection:
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
     max_new_tokens: int = 128
     num_prompts: int = 16
-    """Held-out prompts per evaluation."""
-    prompts: Optional[str] = None
-    """A JSON lines file of prompts; None: the built-in held-out set."""
+    """Evaluation prompts per measurement, taken round-robin over domains."""
+    prompts: str = "independent"
+    """`independent`: the hand-written evaluation set (160 prompts, no template shared with training);
+    `held_out`: the built-in prompts of template families training never sees; or a JSON lines file."""
     top_p: float = 1.0
     top_k: int = 0
     fallback_window: int = 100
