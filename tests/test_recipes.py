@@ -14,7 +14,7 @@ from train.__main__ import main as train_main
 from train.errors import UserError
 from train.recipe import Recipe, load_recipe, parse_recipe
 
-RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate" not in p.parts)
+RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if not {"accelerate", "studies"} & set(p.parts))
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").rglob("*.yaml"))
 
 

@@ -1,0 +1,129 @@
+"""Studies on tiny models: shared data generated once, one row per variant, resume after a kill with only
+the unfinished variants redone, bad variants refused before any work. Every run is the real command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+VARIANTS = {
+    "fkl": ["distill.losses={forward_kl: 1.0}"],
+    "rkl": ["distill.losses={reverse_kl: 1.0}"],
+    "longer_data": ["generate.max_new_tokens=8", "distill.losses={reverse_kl: 1.0}"],
+}
+
+
+def write_study(tmp_path, target_dir, name="s", variants=None):
+    base = {"name": "base", "seed": 1, "target": {"model": str(target_dir)}, "draft": {"layers": [0]},
+            "data": {"max_prompts": 6},
+            "generate": {"temperatures": [0.0], "max_new_tokens": 6, "batch_size": 8, "topk_logprobs": 4},
+            "distill": {"losses": {"reverse_kl": 1.0}, "max_steps": 2, "batch_size": 2, "checkpoint_every": 2,
+                        "lr": 3e-3, "warmup_steps": 1, "loss_chunk_size": 4},
+            "eval": {"k": 2, "temperatures": [0.0, 1.0], "max_new_tokens": 6, "num_prompts": 2},
+            "tracking": {"report_to": "none"}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    study = {"name": name, "base": "base.yaml", "output_dir": str(tmp_path / "runs" / name),
+             "overrides": ["distill.max_steps=2"], "variants": variants or VARIANTS}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(study, sort_keys=False))
+    return path, tmp_path / "runs" / name
+
+
+def run_study(study, *extra):
+    return subprocess.run([sys.executable, "-m", "train.study", str(study), *extra], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+
+
+def test_study_shares_data_writes_one_row_per_variant_and_resumes_only_unfinished(tmp_path, tiny_target_dir):
+    study, run_dir = write_study(tmp_path, tiny_target_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "train.study", str(study)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            start_new_session=True)
+    # Kill the whole study (driver and child) once the first variant is finished and the second has started.
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None and not (run_dir / "rkl" / "recipe.yaml").is_file():
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = run_dir / "fkl" / "study_row.json"
+    assert first.is_file() and not (run_dir / "rkl" / "study_row.json").exists()
+    finished_at = first.stat().st_mtime_ns
+    export_at = (run_dir / "fkl" / "export" / "model.safetensors").stat().st_mtime_ns
+
+    done = run_study(study)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "1 of 3 variants already finished (fkl)" in done.stderr, done.stderr[:3000]
+    # The finished variant was not redone: neither its row nor its export was written again.
+    assert first.stat().st_mtime_ns == finished_at
+    assert (run_dir / "fkl" / "export" / "model.safetensors").stat().st_mtime_ns == export_at
+
+    # Two data sets for three variants: fkl and rkl share one, generated once; longer_data has its own.
+    data_dirs = sorted((run_dir / "_data").iterdir())
+    assert len(data_dirs) == 2
+    for v in VARIANTS:
+        assert (run_dir / v / "generate").is_symlink()
+    fkl, rkl, longer = ((run_dir / v / "generate").resolve() for v in VARIANTS)
+    assert fkl == rkl != longer
+    assert all(len(list((d / "generate").glob("manifest.json"))) == 1 for d in data_dirs)
+
+    result = json.loads((run_dir / "study.json").read_text())
+    assert [r["variant"] for r in result["variants"]] == list(VARIANTS)
+    assert result["winner"] in VARIANTS
+    for row in result["variants"]:
+        assert set(row["by_temperature"]) == {"0.0", "1.0"}
+        assert row["by_temperature"]["0.0"]["alpha"] is not None and row["distill_steps"] == 2
+        assert row["distill_tokens"] > 0 and row["best_checkpoint"] == "checkpoint-2"
+        assert (run_dir / row["variant"] / "export" / "config.json").is_file()
+    sizes = {r["variant"]: r["data"]["completion_tokens"] for r in result["variants"]}
+    assert sizes["fkl"] == sizes["rkl"] and sizes["longer_data"] >= sizes["fkl"]
+    table = (run_dir / "study.md").read_text()
+    assert all(f"| {v} " in table for v in VARIANTS)
+    assert (run_dir / "study.png").stat().st_size > 0
+
+    again = run_study(study)  # everything finished: nothing is redone, the table is written again
+    assert again.returncode == 0 and "3 of 3 variants already finished" in again.stderr
+    assert first.stat().st_mtime_ns == finished_at
+
+
+@pytest.mark.parametrize("variants, message", [
+    ({"ok": [], "bad": ["distill.nope=1"]}, "study variant 'bad': unknown recipe key 'distill.nope'"),
+    ({"ok": [], "bad": ["distill.lr=-1"]}, "study variant 'bad': recipe key 'distill.lr': must be > 0"),
+    ({"ok": [], "bad": ["distill.lr"]}, "study variant 'bad': override 'distill.lr': expected key.sub=value"),
+])
+def test_a_bad_variant_is_refused_before_any_work(tmp_path, tiny_target_dir, variants, message):
+    study, run_dir = write_study(tmp_path, tiny_target_dir, variants=variants)
+    proc = run_study(study)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"specdistill: error: {message}")
+    assert not run_dir.exists()
+
+
+def test_dry_run_lists_variants_and_resolved_recipes(tmp_path, tiny_target_dir):
+    study, run_dir = write_study(tmp_path, tiny_target_dir)
+    proc = run_study(study, "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recipes = [yaml.safe_load(part.split("\n", 1)[1]) for part in proc.stdout.split("# variant ")[1:]]
+    assert [r["name"] for r in recipes] == ["s-fkl", "s-rkl", "s-longer_data"]
+    assert recipes[0]["distill"]["losses"] == {"forward_kl": 1.0} and recipes[0]["distill"]["max_steps"] == 2
+    assert recipes[2]["generate"]["max_new_tokens"] == 8
+    assert not run_dir.exists()
+
+
+def test_every_study_file_in_recipes_resolves(tmp_path):
+    from train.study import load_study, resolve_variants
+
+    studies = sorted((ROOT / "recipes" / "studies").glob("*.yaml"))
+    assert studies
+    for path in studies:
+        study, base, _ = load_study(path)
+        variants = resolve_variants(study, base, tmp_path / study.name)
+        assert len(variants) == len(study.variants) >= 2

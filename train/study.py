@@ -1,0 +1,317 @@
+"""Studies: a base recipe plus named variants, each measured the same way. Run:
+`python -m train.study STUDY.yaml [--dry-run]` (or under `accelerate launch`, as `python -m train`).
+
+A study file names a base recipe, overrides applied to every variant, and the variants, each a list
+of dotted overrides exactly as on the `python -m train` command line:
+
+    name: objectives
+    base: ../default.yaml                 # relative to the study file
+    overrides: ["distill.max_steps=300"]  # every variant
+    variants:
+      forward_kl: ["distill.losses={forward_kl: 1.0}"]
+      reverse_kl: ["distill.losses={reverse_kl: 1.0}"]
+
+Every variant is resolved and validated before any work (a bad one: one line naming the variant and
+the key, exit 2). Variants whose generated data would be the same (same target, data, generate and
+seed sections) share it: it is generated once under RUN/_data/<key>/ and each variant's
+`generate/` links to it. Each variant then runs its recipe's stages (distill, eval of every
+checkpoint on the same evaluation prompts, export) into RUN/<variant>/ as a `python -m train`
+child, which inherits an `accelerate launch` environment. A finished variant leaves
+RUN/<variant>/study_row.json; a rerun after a kill skips those and resumes the others where their
+stages stopped. RUN/study.json, study.md and study.png compare the variants; the winner is the
+variant with the highest mean observed speedup over the eval temperatures (ties: mean alpha).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from train.errors import UserError, cli_main
+from train.fsutil import atomic_write_json, atomic_write_text
+from train.models import log
+from train.recipe import Recipe, _build, dump_recipe, load_recipe, read_recipe_file
+
+DATA_SECTIONS = ("target", "data", "generate", "seed")  # what the generated data depends on
+ROW_FILE = "study_row.json"
+
+
+@dataclass
+class StudyFile:
+    """A study: one base recipe, overrides for all, and named variants of overrides."""
+
+    name: str = "study"
+    """The study's name; its directory is `runs/<name>/` unless `output_dir` is set."""
+    base: str = ""
+    """The base recipe (YAML), relative to the study file."""
+    overrides: list[str] = field(default_factory=list)
+    """Dotted overrides applied to every variant, before the variant's own (equal budgets go here)."""
+    variants: dict[str, list[str]] = field(default_factory=dict)
+    """Variant name -> its dotted overrides (an empty list: the base recipe as it is)."""
+    output_dir: str | None = None
+
+    def __post_init__(self):
+        if not self.base:
+            raise UserError("study key 'base': required (the base recipe file)")
+        if not self.variants:
+            raise UserError("study key 'variants': expected at least one variant")
+        for name in self.variants:
+            if not name or "/" in name or name.startswith(("_", ".")):
+                raise UserError(f"study variant '{name}': a name must be non-empty, without '/', not start with '_' or '.'")
+
+
+@dataclass
+class Variant:
+    name: str
+    overrides: list[str]
+    """The complete override list passed to `python -m train` (study's, variant's, then name and output_dir)."""
+    recipe: Recipe
+    data_key: str
+
+
+def load_study(path: str | os.PathLike) -> tuple[StudyFile, Path, Path]:
+    """The study, its base recipe's path and its run directory."""
+    data = read_recipe_file(path)
+    if not isinstance(data, dict):
+        raise UserError(f"study file '{path}': expected a mapping (name, base, overrides, variants)")
+    data.setdefault("name", Path(path).stem)
+    try:
+        study = _build(StudyFile, data, "")
+    except UserError as err:
+        raise UserError(str(err).replace("recipe key", "study key", 1)) from None
+    base = (Path(path).parent / study.base).resolve()
+    if not base.is_file():
+        raise UserError(f"study key 'base': recipe file '{base}' not found")
+    run_dir = Path(study.output_dir) if study.output_dir else Path("runs") / study.name
+    return study, base, run_dir
+
+
+def data_key(recipe: Recipe) -> str:
+    """A short hash of the sections the generated data depends on: equal keys, same data."""
+    identity = {key: recipe.to_dict()[key] for key in DATA_SECTIONS}
+    return hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def resolve_variants(study: StudyFile, base: Path, run_dir: Path) -> list[Variant]:
+    """Every variant's resolved recipe, checked before any work; errors name the variant."""
+    variants = []
+    for name, own in study.variants.items():
+        overrides = [*study.overrides, *own, f"name={study.name}-{name}", f"output_dir={run_dir / name}"]
+        try:
+            recipe = load_recipe(base, overrides)
+        except UserError as err:
+            raise UserError(f"study variant '{name}': {err}") from None
+        variants.append(Variant(name, overrides, recipe, data_key(recipe)))
+        row = _read_row(run_dir / name)
+        if row is not None and row["recipe"] != json.loads(json.dumps(recipe.to_dict())):
+            raise UserError(f"study variant '{name}': {run_dir / name} holds results of a different recipe; "
+                            "remove that directory or rename the variant")
+    return variants
+
+
+def _read_row(variant_dir: Path) -> dict | None:
+    path = variant_dir / ROW_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0  # under accelerate launch, one driver per process
+
+
+def _train(base: Path, overrides: list[str], *options: str) -> None:
+    """One `python -m train` child (it joins the launch's process group, when there is one)."""
+    proc = subprocess.run([sys.executable, "-m", "train", str(base), *overrides, *options])
+    if proc.returncode != 0:
+        log(f"study: `python -m train` exited with status {proc.returncode}; rerun the study to resume")
+        sys.exit(proc.returncode)
+
+
+def link_data(variant_dir: Path, data_dir: Path) -> None:
+    """RUN/<variant>/generate -> the shared RUN/_data/<key>/generate (relative, so the study directory can move)."""
+    link = variant_dir / "generate"
+    variant_dir.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        return
+    try:
+        link.symlink_to(os.path.relpath(data_dir / "generate", variant_dir), target_is_directory=True)
+    except FileExistsError:  # another process of the launch made it
+        pass
+
+
+def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False) -> dict | None:
+    variants = resolve_variants(study, base, run_dir)
+    keys = sorted({v.data_key for v in variants})
+    log(f"study '{study.name}': {len(variants)} variants, {len(keys)} generated data set(s), directory {run_dir}")
+    if dry_run:
+        for v in variants:
+            print(f"# variant {v.name} (data {v.data_key}): {' '.join(v.overrides[:-2]) or '(base recipe)'}")
+            print(dump_recipe(v.recipe))
+        log("dry run: every variant is valid; nothing was run")
+        return None
+    done = {v.name for v in variants if _read_row(run_dir / v.name) is not None}
+    if done:
+        log(f"study: {len(done)} of {len(variants)} variants already finished ({', '.join(sorted(done))}); skipped")
+    for v in variants:
+        if v.name in done:
+            continue
+        data_dir = run_dir / "_data" / v.data_key
+        if not (data_dir / "generate" / "manifest.json").is_file():
+            log(f"study: generating data {v.data_key} (shared by "
+                f"{', '.join(w.name for w in variants if w.data_key == v.data_key)})")
+            # --overwrite: the directory's name is the hash of every section the data depends on.
+            _train(base, [*v.overrides[:-1], f"output_dir={data_dir}", "tracking.report_to=none"],
+                   "--stages", "generate", "--overwrite")
+        if _is_main():
+            link_data(run_dir / v.name, data_dir)
+        log(f"study: variant '{v.name}'")
+        _train(base, v.overrides)
+        if _is_main():
+            atomic_write_json(run_dir / v.name / ROW_FILE, variant_row(v, run_dir / v.name))
+    if not _is_main():
+        return None
+    return write_study(study, variants, run_dir)
+
+
+# ---------------------------------------------------------------------------- results
+
+
+def variant_row(variant: Variant, variant_dir: Path) -> dict:
+    """One variant's measurements: its best checkpoint's report, distill time and tokens, data size."""
+    summary = json.loads((variant_dir / "eval" / "summary.json").read_text())
+    report = json.loads((variant_dir / "eval" / summary["best"] / "report.json").read_text())
+    keys = ("alpha", "tau", "speedup_observed", "speedup_theoretical", "drafted_per_round")
+    steps = []
+    log_path = variant_dir / "distill" / "log.jsonl"
+    if log_path.is_file():
+        steps = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    return {
+        "variant": variant.name,
+        "overrides": variant.overrides[:-2],
+        "recipe": json.loads(json.dumps(variant.recipe.to_dict())),
+        "data_key": variant.data_key,
+        "data": data_size(variant_dir / "generate"),
+        "best_checkpoint": summary["best"],
+        "by_temperature": {t: {k: r.get(k) for k in keys} for t, r in report["by_temperature"].items()},
+        "alpha_by_domain": {t: {d: r["alpha"] for d, r in domains.items()} for t, domains in report["by_domain"].items()},
+        "greedy_identical_to_vanilla": report.get("greedy_identical_to_vanilla"),
+        "c": report["costs"]["c"],
+        "distill_steps": len(steps),
+        "distill_tokens": int(sum(s["train/tokens"] for s in steps)),
+        # Step time only (the logged tokens/s of each step); checkpoint writing and measuring excluded.
+        "distill_seconds": sum(s["train/tokens"] / s["train/tokens_per_s"] for s in steps if s["train/tokens_per_s"]),
+    }
+
+
+def data_size(generate_dir: Path) -> dict:
+    """Rows, prompts and completion tokens of a generated data set."""
+    import pyarrow.parquet as pq
+
+    manifest = json.loads((generate_dir / "manifest.json").read_text())
+    tokens = 0
+    for shard in manifest["shards"]:
+        column = pq.read_table(generate_dir / shard["file"], columns=["completion_ids"]).column("completion_ids")
+        tokens += sum(len(ids) for ids in column.to_pylist())
+    return {"rows": manifest["rows"], "prompts": manifest["prompts"], "completion_tokens": tokens}
+
+
+def score(row: dict) -> tuple[float, float]:
+    """The winner's key: mean observed speedup over the eval temperatures, then mean alpha."""
+    rows = list(row["by_temperature"].values())
+    return (sum(r["speedup_observed"] or 0.0 for r in rows) / len(rows), sum(r["alpha"] or 0.0 for r in rows) / len(rows))
+
+
+def write_study(study: StudyFile, variants: list[Variant], run_dir: Path) -> dict:
+    rows = [_read_row(run_dir / v.name) for v in variants]
+    winner = max(rows, key=score)["variant"]
+    result = {"study": study.name, "winner": winner,
+              "rule": "max mean observed speedup over the eval temperatures; ties by mean alpha", "variants": rows}
+    atomic_write_json(run_dir / "study.json", result)
+    atomic_write_text(run_dir / "study.md", study_markdown(result))
+    plot_study(result, run_dir / "study.png")
+    print(study_markdown(result))
+    log(f"study: winner '{winner}' (by mean observed speedup); {run_dir / 'study.md'}, study.json, study.png")
+    return result
+
+
+def study_markdown(result: dict) -> str:
+    from eval.report import markdown_table
+
+    rows = result["variants"]
+    temps = list(rows[0]["by_temperature"])
+    headers = ["variant"] + [f"{name} T={t}" for t in temps for name in ("α", "τ", "speedup")] + [
+        "distill min", "distill tokens", "data tokens", "best", "winner"]
+    table = []
+    for r in rows:
+        cells = [r["variant"]]
+        for t in temps:
+            m = r["by_temperature"][t]
+            cells += [m["alpha"], m["tau"], m["speedup_observed"]]
+        cells += [round(r["distill_seconds"] / 60, 1), r["distill_tokens"], r["data"]["completion_tokens"],
+                  r["best_checkpoint"], "*" if r["variant"] == result["winner"] else ""]
+        table.append(cells)
+    domains = sorted({d for r in rows for t in temps for d in r["alpha_by_domain"].get(t, {})})
+    domain_table = [[r["variant"]] + [r["alpha_by_domain"].get(t, {}).get(d) for t in temps for d in domains] for r in rows]
+    overrides = "\n".join(f"- `{r['variant']}`: {' '.join(f'`{o}`' for o in r['overrides']) or '(base recipe)'}" for r in rows)
+    return (f"# Study `{result['study']}`\n\nWinner: **{result['winner']}** ({result['rule']}).\n\n"
+            f"{markdown_table(headers, table)}\n\n### α by domain\n\n"
+            f"{markdown_table(['variant'] + [f'{d} T={t}' for t in temps for d in domains], domain_table)}\n\n"
+            f"### Overrides\n\n{overrides}\n")
+
+
+def plot_study(result: dict, path: Path) -> None:
+    """Observed speedup and alpha per variant and temperature (bars), and alpha against data tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["variants"]
+    temps = list(rows[0]["by_temperature"])
+    names = [r["variant"] for r in rows]
+    width = 0.8 / len(temps)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, key, label in ((axes[0], "speedup_observed", "observed speedup"), (axes[1], "alpha", "alpha")):
+        for i, t in enumerate(temps):
+            values = [r["by_temperature"][t][key] or 0.0 for r in rows]
+            ax.bar([x + i * width for x in range(len(rows))], values, width, label=f"T={t}")
+        ax.set_xticks([x + width * (len(temps) - 1) / 2 for x in range(len(rows))], names, rotation=30, ha="right",
+                      fontsize=8)
+        ax.set(ylabel=label, title=f"{label} by variant")
+        ax.legend(fontsize=8)
+    axes[0].axhline(1.0, color="grey", lw=0.8, ls="--")
+    for t in temps:
+        xs = [r["data"]["completion_tokens"] for r in rows]
+        ys = [r["by_temperature"][t]["alpha"] or 0.0 for r in rows]
+        axes[2].scatter(xs, ys, label=f"T={t}")
+        for x, y, name in zip(xs, ys, names):
+            axes[2].annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    axes[2].set(xlabel="generated training tokens", ylabel="alpha", title="alpha against training data")
+    axes[2].legend(fontsize=8)
+    fig.suptitle(f"study {result['study']}: winner {result['winner']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m train.study", description=__doc__.split("\n\n")[0])
+    parser.add_argument("study", help="study YAML file")
+    parser.add_argument("--dry-run", action="store_true", help="list the variants and their resolved recipes; run nothing")
+    return parser.parse_args(argv)
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    study, base, run_dir = load_study(args.study)
+    run_study(study, base, run_dir, dry_run=args.dry_run)
+
+
+if __name__ == "__main__":
+    main()
