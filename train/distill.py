@@ -30,7 +30,7 @@ from eval.draft_vocab import build_draft_vocab, load_draft_vocab, save_draft_voc
 from train import losses as L
 from train.errors import UserError
 from train.fsutil import atomic_write_json, atomic_write_text
-from train.models import cast_weights, log
+from train.models import cast_weights, cpu_has_native_bf16, log
 from train.recipe import dump_recipe
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -288,9 +288,12 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
 
 
 def mixed_precision(setting: str) -> str:
+    """`auto`: bf16 autocast on a GPU that supports it and on a CPU that multiplies bf16 natively; else none."""
     if setting != "auto":
         return setting
-    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    return "bf16" if cpu_has_native_bf16() else "no"
 
 
 def make_accelerator(recipe):

@@ -78,6 +78,21 @@ def _dataset_prompts(data, columns) -> list[Prompt]:
     return [row_to_prompt(row, i, f"dataset '{path}' row {i}", **columns) for i, row in enumerate(table)]
 
 
+def self_written_prompts(recipe, target, tokenizer, out_dir: Path, state) -> list[Prompt]:
+    """`data.source: self`: the main process has the target write the prompts (train/self_written.py), the
+    others wait and read them; with `with_builtin` the built-in train prompts join them."""
+    from train.self_written import write_self_prompts
+
+    if state.is_main_process:
+        with packed_linears(target):
+            write_self_prompts(recipe, target, tokenizer, out_dir)
+    state.wait_for_everyone()
+    prompts = read_jsonl_prompts(Path(out_dir) / "prompts.jsonl")
+    if recipe.data.self_written.with_builtin:
+        prompts = prompts + builtin_prompts("train")
+    return spread(prompts, recipe.data.max_prompts)
+
+
 # ---------------------------------------------------------------------------- rows and shards
 
 
@@ -163,7 +178,10 @@ def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> 
         log(f"generate: already finished ({manifest_path}); skipped")
         return out_dir
     gen = recipe.generate
-    prompts = load_prompts(recipe.data)
+    if recipe.data.source == "self":
+        prompts = self_written_prompts(recipe, target, tokenizer, out_dir, state)
+    else:
+        prompts = load_prompts(recipe.data)
     if not prompts:
         raise UserError("recipe key 'data': the prompt source holds no prompts")
     rows = build_rows(prompts, tokenizer, gen, recipe.data.max_prompt_tokens)

@@ -46,6 +46,16 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (avx512_bf16 or AMX). Without it oneDNN emulates bf16, and a
+    training matmul of 512 rows measured 3.5x slower in bf16 than in float32 (2-core Intel Xeon, AVX-512)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda" and torch.cuda.is_bf16_supported():

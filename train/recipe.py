@@ -89,13 +89,59 @@ class DraftSection:
         _check(len(set(self.layers)) == len(self.layers), "layers", "layer indices must be distinct")
 
 
+DEFAULT_SELF_HINTS = {
+    "code": "The user is a programmer and asks for help with code: a function to write, a bug to fix, a concept, "
+            "a command or a library to explain.",
+    "math": "The user asks a math question: arithmetic, algebra, geometry, probability or a word problem, and "
+            "wants the working shown.",
+    "json": "The user asks for structured data as JSON: information to convert, a config file, an API payload or "
+            "an example record.",
+    "prose": "The user asks for a piece of writing: a story, a poem, a description, a summary, a letter or a "
+             "product text.",
+    "chat": "The user chats about everyday life and asks for advice, ideas, recommendations or an opinion.",
+}
+
+
+@dataclass
+class SelfWrittenSection:
+    """Self-written prompts (Magpie): the target writes user requests from its chat template, one system hint
+    per domain; exact and near-duplicates (of each other and of the evaluation sets) are dropped."""
+
+    num_prompts: int = 1000
+    """Requests to keep, split evenly over the domains."""
+    domains: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_SELF_HINTS))
+    """Domain -> the system hint that steers the requests (an empty hint: no system message)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 96
+    """The longest request, in tokens; longer ones are cut and dropped (unless keep_unfinished)."""
+    min_words: int = 3
+    near_duplicate: float = 0.6
+    """Character 5-gram Jaccard similarity at or above which a request is a near-duplicate."""
+    max_attempts: float = 4.0
+    """Stop after generating this many times a domain's quota in candidates, kept or not."""
+    keep_unfinished: bool = False
+    with_builtin: bool = False
+    """Also use the built-in train prompts (a mixture of templated and self-written prompts)."""
+
+    def __post_init__(self):
+        _check(self.num_prompts > 0, "num_prompts", "must be > 0")
+        _check(len(self.domains) > 0, "domains", "expected at least one domain")
+        _check(self.temperature > 0, "temperature", "must be > 0 (greedy would write one request per domain)")
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(self.max_tokens > 0, "max_tokens", "must be > 0")
+        _check(self.min_words >= 1, "min_words", "must be >= 1")
+        _check(0 < self.near_duplicate <= 1, "near_duplicate", "must be in (0, 1]")
+        _check(self.max_attempts >= 1, "max_attempts", "must be >= 1")
+
+
 @dataclass
 class DataSection:
     """Where prompts come from."""
 
-    source: Literal["builtin", "files", "hub"] = "builtin"
+    source: Literal["builtin", "files", "hub", "self"] = "builtin"
     """`builtin`: the prompt set shipped with specdistill; `files`: local JSON lines / CSV / parquet;
-    `hub`: a Hugging Face dataset id."""
+    `hub`: a Hugging Face dataset id; `self`: the target writes the prompts (`self_written`)."""
     path: Optional[str] = None
     """For `files`: a file or glob; for `hub`: the dataset id."""
     split: str = "train"
@@ -107,9 +153,11 @@ class DataSection:
     max_prompts: Optional[int] = None
     """Use at most this many prompts (None: all), taken round-robin over domains."""
     max_prompt_tokens: int = 512
+    self_written: SelfWrittenSection = field(default_factory=SelfWrittenSection)
+    """For `self`: how the target writes its prompts."""
 
     def __post_init__(self):
-        _check(self.source == "builtin" or bool(self.path), "path", f"required when source is '{self.source}'")
+        _check(self.source in ("builtin", "self") or bool(self.path), "path", f"required when source is '{self.source}'")
         _check(self.max_prompts is None or self.max_prompts > 0, "max_prompts", "must be > 0")
         _check(self.max_prompt_tokens > 0, "max_prompt_tokens", "must be > 0")
 
@@ -168,7 +216,7 @@ class DistillSection:
     keep_checkpoints: int = 0
     """Keep the newest N checkpoints, plus the best measured one (0: keep all)."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    """`auto`: bf16 on GPU, none on CPU."""
+    """`auto`: bf16 autocast on a GPU with bf16 and on a CPU with native bf16 (avx512_bf16, AMX), else none."""
     freeze_embeddings: bool = False
     """Keep the draft's input embeddings and output head fixed (with `init: layers` they are the target's own;
     training only the layers between them is cheaper and keeps the head aligned with the target's)."""
