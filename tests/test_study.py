@@ -118,6 +118,23 @@ def test_dry_run_lists_variants_and_resolved_recipes(tmp_path, tiny_target_dir):
     assert not run_dir.exists()
 
 
+def test_a_study_under_accelerate_launch_runs_each_variant_on_both_processes(tmp_path, tiny_target_dir):
+    from test_generate import free_port
+
+    study, run_dir = write_study(tmp_path, tiny_target_dir, variants={"fkl": VARIANTS["fkl"], "rkl": VARIANTS["rkl"]})
+    launcher = ["-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/ddp.yaml"),
+                "--num_processes", "2", "--main_process_port", str(free_port())]
+    proc = subprocess.run([sys.executable, *launcher, "-m", "train.study", str(study)], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((run_dir / "study.json").read_text())
+    assert [r["variant"] for r in result["variants"]] == ["fkl", "rkl"]
+    for name in ("fkl", "rkl"):  # each variant's children formed one 2-process group
+        assert f"run directory {run_dir / name}; device cpu:0; 2 processes" in proc.stderr
+    assert proc.stderr.count("global batch 4 sequences (2 x 1 accumulation x 2 processes)") >= 2
+    assert len(list((run_dir / "_data").iterdir())) == 1
+
+
 def test_every_study_file_in_recipes_resolves(tmp_path):
     from train.study import load_study, resolve_variants
 

@@ -124,9 +124,17 @@ def _is_main() -> bool:
     return int(os.environ.get("RANK", "0")) == 0  # under accelerate launch, one driver per process
 
 
-def _train(base: Path, overrides: list[str], *options: str) -> None:
-    """One `python -m train` child (it joins the launch's process group, when there is one)."""
-    proc = subprocess.run([sys.executable, "-m", "train", str(base), *overrides, *options])
+def _train(base: Path, overrides: list[str], *options: str, index: int) -> None:
+    """The study's `index`-th `python -m train` child; under `accelerate launch` the children of the same index
+    on every process form one process group."""
+    env = dict(os.environ)
+    if int(env.get("WORLD_SIZE", "1")) > 1 and "MASTER_PORT" in env:
+        # Each child group meets on a port of its own, with rank 0's child hosting the store. The launcher's
+        # store (and the same port) would still hold the previous group's addresses, and a process that
+        # starts its next child first would read them and fail to connect.
+        env["MASTER_PORT"] = str(int(env["MASTER_PORT"]) + 1 + index)
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    proc = subprocess.run([sys.executable, "-m", "train", str(base), *overrides, *options], env=env)
     if proc.returncode != 0:
         log(f"study: `python -m train` exited with status {proc.returncode}; rerun the study to resume")
         sys.exit(proc.returncode)
@@ -157,6 +165,7 @@ def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False
     done = {v.name for v in variants if _read_row(run_dir / v.name) is not None}
     if done:
         log(f"study: {len(done)} of {len(variants)} variants already finished ({', '.join(sorted(done))}); skipped")
+    children = 0  # the same count on every process: each sees the same finished variants and data sets
     for v in variants:
         if v.name in done:
             continue
@@ -166,11 +175,12 @@ def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False
                 f"{', '.join(w.name for w in variants if w.data_key == v.data_key)})")
             # --overwrite: the directory's name is the hash of every section the data depends on.
             _train(base, [*v.overrides[:-1], f"output_dir={data_dir}", "tracking.report_to=none"],
-                   "--stages", "generate", "--overwrite")
-        if _is_main():
-            link_data(run_dir / v.name, data_dir)
+                   "--stages", "generate", "--overwrite", index=children)
+            children += 1
+        link_data(run_dir / v.name, data_dir)  # on every process, before its child looks for the data
         log(f"study: variant '{v.name}'")
-        _train(base, v.overrides)
+        _train(base, v.overrides, index=children)
+        children += 1
         if _is_main():
             atomic_write_json(run_dir / v.name / ROW_FILE, variant_row(v, run_dir / v.name))
     if not _is_main():
