@@ -56,6 +56,8 @@ def test_study_shares_data_writes_one_row_per_variant_and_resumes_only_unfinishe
     proc.wait()
     first = run_dir / "fkl" / "study_row.json"
     assert first.is_file() and not (run_dir / "rkl" / "study_row.json").exists()
+    partial = json.loads((run_dir / "study.json").read_text())  # the table so far, written after each variant
+    assert [r["variant"] for r in partial["variants"]] == ["fkl"] and partial["pending"] == ["rkl", "longer_data"]
     finished_at = first.stat().st_mtime_ns
     export_at = (run_dir / "fkl" / "export" / "model.safetensors").stat().st_mtime_ns
 
@@ -76,7 +78,7 @@ def test_study_shares_data_writes_one_row_per_variant_and_resumes_only_unfinishe
     assert all(len(list((d / "generate").glob("manifest.json"))) == 1 for d in data_dirs)
 
     result = json.loads((run_dir / "study.json").read_text())
-    assert [r["variant"] for r in result["variants"]] == list(VARIANTS)
+    assert [r["variant"] for r in result["variants"]] == list(VARIANTS) and result["pending"] == []
     assert result["winner"] in VARIANTS
     for row in result["variants"]:
         assert set(row["by_temperature"]) == {"0.0", "1.0"}

@@ -183,6 +183,8 @@ def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False
         children += 1
         if _is_main():
             atomic_write_json(run_dir / v.name / ROW_FILE, variant_row(v, run_dir / v.name))
+            if v is not variants[-1]:  # the table so far, to look at while the rest runs
+                write_study(study, variants, run_dir, final=False)
     if not _is_main():
         return None
     return write_study(study, variants, run_dir)
@@ -236,16 +238,21 @@ def score(row: dict) -> tuple[float, float]:
     return (sum(r["speedup_observed"] or 0.0 for r in rows) / len(rows), sum(r["alpha"] or 0.0 for r in rows) / len(rows))
 
 
-def write_study(study: StudyFile, variants: list[Variant], run_dir: Path) -> dict:
-    rows = [_read_row(run_dir / v.name) for v in variants]
+def write_study(study: StudyFile, variants: list[Variant], run_dir: Path, final: bool = True) -> dict:
+    """study.json, study.md and study.png over the finished variants (`pending` names the others)."""
+    rows = [row for row in (_read_row(run_dir / v.name) for v in variants) if row is not None]
     winner = max(rows, key=score)["variant"]
     result = {"study": study.name, "winner": winner,
-              "rule": "max mean observed speedup over the eval temperatures; ties by mean alpha", "variants": rows}
+              "rule": "max mean observed speedup over the eval temperatures; ties by mean alpha", "variants": rows,
+              "pending": [v.name for v in variants if _read_row(run_dir / v.name) is None]}
     atomic_write_json(run_dir / "study.json", result)
     atomic_write_text(run_dir / "study.md", study_markdown(result))
     plot_study(result, run_dir / "study.png")
-    print(study_markdown(result))
-    log(f"study: winner '{winner}' (by mean observed speedup); {run_dir / 'study.md'}, study.json, study.png")
+    if final:
+        print(study_markdown(result))
+        log(f"study: winner '{winner}' (by mean observed speedup); {run_dir / 'study.md'}, study.json, study.png")
+    else:
+        log(f"study: {len(rows)} of {len(variants)} variants finished; best so far '{winner}'; {run_dir / 'study.md'}")
     return result
 
 
@@ -268,7 +275,8 @@ def study_markdown(result: dict) -> str:
     domains = sorted({d for r in rows for t in temps for d in r["alpha_by_domain"].get(t, {})})
     domain_table = [[r["variant"]] + [r["alpha_by_domain"].get(t, {}).get(d) for t in temps for d in domains] for r in rows]
     overrides = "\n".join(f"- `{r['variant']}`: {' '.join(f'`{o}`' for o in r['overrides']) or '(base recipe)'}" for r in rows)
-    return (f"# Study `{result['study']}`\n\nWinner: **{result['winner']}** ({result['rule']}).\n\n"
+    pending = (f" Not finished yet: {', '.join(result['pending'])}." if result.get("pending") else "")
+    return (f"# Study `{result['study']}`\n\nWinner: **{result['winner']}** ({result['rule']}).{pending}\n\n"
             f"{markdown_table(headers, table)}\n\n### α by domain\n\n"
             f"{markdown_table(['variant'] + [f'{d} T={t}' for t in temps for d in domains], domain_table)}\n\n"
             f"### Overrides\n\n{overrides}\n")
