@@ -23,7 +23,9 @@ SECRET = "0123456789abcdef0123456789abcdef01234567"
 
 def write_recipe(tmp_path, target_dir, run_dir, stages=("generate", "distill"), tracking="none", eval_=None, **distill):
     settings = {"losses": {"reverse_kl": 1.0, "sequence_ce": 0.1}, "max_steps": 6, "batch_size": 2, "grad_accum": 2,
-                "checkpoint_every": 3, "lr": 3e-3, "warmup_steps": 1, "loss_chunk_size": 4, **distill}
+                "checkpoint_every": 3, "lr": 3e-3, "warmup_steps": 1, "loss_chunk_size": 4,
+                # float32 on every CPU (auto picks bf16 on one with avx512_bf16): the comparisons below need it
+                "mixed_precision": "no", **distill}
     recipe = {"name": "distill", "output_dir": str(run_dir), "seed": 1, "stages": list(stages),
               "target": {"model": str(target_dir)}, "draft": {"layers": [0]}, "data": {"max_prompts": 16},
               "generate": {"temperatures": [0.0, 1.0], "max_new_tokens": 12, "batch_size": 8, "topk_logprobs": 8},
@@ -396,4 +398,6 @@ def test_deepspeed_zero_two_processes_match_one_process(stage, tmp_path, generat
     assert (two_dir / "checkpoint-6" / "state" / "random_states_1.pkl").is_file()
     for r1, r2 in zip(steps_logged(one_dir), steps_logged(two_dir)):
         assert r1["train/loss"] == pytest.approx(r2["train/loss"], rel=1e-5)
-    assert_weights_close(weights(one_dir, 6), weights(two_dir, 6))
+    # ZeRO reduce-scatters the gradients in another order; on the Intel Xeon CI machine one embedding entry in
+    # 9,600 landed 4e-5 away after 6 Adam steps. A missing sync or a wrong normalisation is ~lr (3e-3) away.
+    assert_weights_close(weights(one_dir, 6), weights(two_dir, 6), atol=1e-4)

@@ -27,7 +27,7 @@ def write_study(tmp_path, target_dir, name="s", variants=None):
             "data": {"max_prompts": 6},
             "generate": {"temperatures": [0.0], "max_new_tokens": 6, "batch_size": 8, "topk_logprobs": 4},
             "distill": {"losses": {"reverse_kl": 1.0}, "max_steps": 2, "batch_size": 2, "checkpoint_every": 2,
-                        "lr": 3e-3, "warmup_steps": 1, "loss_chunk_size": 4},
+                        "lr": 3e-3, "warmup_steps": 1, "loss_chunk_size": 4, "mixed_precision": "no"},
             "eval": {"k": 2, "temperatures": [0.0, 1.0], "max_new_tokens": 6, "num_prompts": 2},
             "tracking": {"report_to": "none"}}
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
@@ -82,6 +82,7 @@ def test_study_shares_data_writes_one_row_per_variant_and_resumes_only_unfinishe
     assert result["winner"] in VARIANTS
     for row in result["variants"]:
         assert set(row["by_temperature"]) == {"0.0", "1.0"}
+        assert row["by_temperature"]["0.0"]["requests"] == 2 and row["by_temperature"]["0.0"]["alpha_se"] is not None
         assert row["by_temperature"]["0.0"]["alpha"] is not None and row["distill_steps"] == 2
         assert row["distill_tokens"] > 0 and row["best_checkpoint"] == "checkpoint-2"
         assert (run_dir / row["variant"] / "export" / "config.json").is_file()
@@ -94,6 +95,10 @@ def test_study_shares_data_writes_one_row_per_variant_and_resumes_only_unfinishe
     again = run_study(study)  # everything finished: nothing is redone, the table is written again
     assert again.returncode == 0 and "3 of 3 variants already finished" in again.stderr
     assert first.stat().st_mtime_ns == finished_at
+    rows_again = run_study(study, "--report")  # the rows computed again from the variants' files, nothing run
+    assert rows_again.returncode == 0, rows_again.stderr[-2000:]
+    assert json.loads((run_dir / "study.json").read_text())["variants"] == result["variants"]
+    assert (run_dir / "fkl" / "export" / "model.safetensors").stat().st_mtime_ns == export_at
 
 
 @pytest.mark.parametrize("variants, message", [

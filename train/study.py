@@ -152,7 +152,7 @@ def link_data(variant_dir: Path, data_dir: Path) -> None:
         pass
 
 
-def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False) -> dict | None:
+def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False, report: bool = False) -> dict | None:
     variants = resolve_variants(study, base, run_dir)
     keys = sorted({v.data_key for v in variants})
     log(f"study '{study.name}': {len(variants)} variants, {len(keys)} generated data set(s), directory {run_dir}")
@@ -163,6 +163,13 @@ def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False
         log("dry run: every variant is valid; nothing was run")
         return None
     done = {v.name for v in variants if _read_row(run_dir / v.name) is not None}
+    if report:  # the rows again from the finished variants' files, then the tables; nothing is run
+        if not done:
+            raise UserError(f"study '{study.name}': no variant has finished yet in {run_dir}")
+        for v in variants:
+            if v.name in done:
+                atomic_write_json(run_dir / v.name / ROW_FILE, variant_row(v, run_dir / v.name))
+        return write_study(study, variants, run_dir)
     if done:
         log(f"study: {len(done)} of {len(variants)} variants already finished ({', '.join(sorted(done))}); skipped")
     children = 0  # the same count on every process: each sees the same finished variants and data sets
@@ -197,6 +204,7 @@ def variant_row(variant: Variant, variant_dir: Path) -> dict:
     """One variant's measurements: its best checkpoint's report, distill time and tokens, data size."""
     summary = json.loads((variant_dir / "eval" / "summary.json").read_text())
     report = json.loads((variant_dir / "eval" / summary["best"] / "report.json").read_text())
+    requests = [json.loads(line) for line in (variant_dir / "eval" / summary["best"] / "requests.jsonl").read_text().splitlines()]
     keys = ("alpha", "tau", "speedup_observed", "speedup_theoretical", "drafted_per_round")
     steps = []
     log_path = variant_dir / "distill" / "log.jsonl"
@@ -209,7 +217,9 @@ def variant_row(variant: Variant, variant_dir: Path) -> dict:
         "data_key": variant.data_key,
         "data": data_size(variant_dir / "generate"),
         "best_checkpoint": summary["best"],
-        "by_temperature": {t: {k: r.get(k) for k in keys} for t, r in report["by_temperature"].items()},
+        "by_temperature": {t: {**{k: r.get(k) for k in keys},
+                               **spread_over_prompts([q for q in requests if str(q["temperature"]) == t])}
+                           for t, r in report["by_temperature"].items()},
         "alpha_by_domain": {t: {d: r["alpha"] for d, r in domains.items()} for t, domains in report["by_domain"].items()},
         "greedy_identical_to_vanilla": report.get("greedy_identical_to_vanilla"),
         "c": report["costs"]["c"],
@@ -218,6 +228,20 @@ def variant_row(variant: Variant, variant_dir: Path) -> dict:
         # Step time only (the logged tokens/s of each step); checkpoint writing and measuring excluded.
         "distill_seconds": sum(s["train/tokens"] / s["train/tokens_per_s"] for s in steps if s["train/tokens_per_s"]),
     }
+
+
+def spread_over_prompts(requests: list[dict]) -> dict:
+    """The standard error of the mean per-request alpha and observed speedup: how much the figures would move
+    with another draw of as many prompts (the variants share their prompts, so a paired difference moves less)."""
+    def se(values):
+        values = [v for v in values if v is not None]
+        if len(values) < 2:
+            return None
+        mean = sum(values) / len(values)
+        return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+
+    return {"alpha_se": se([q["alpha"] for q in requests]),
+            "speedup_observed_se": se([q["speedup_observed"] for q in requests]), "requests": len(requests)}
 
 
 def data_size(generate_dir: Path) -> dict:
@@ -256,6 +280,13 @@ def write_study(study: StudyFile, variants: list[Variant], run_dir: Path, final:
     return result
 
 
+def _pm(value, se) -> str:
+    """`value ± standard error` (over the evaluation prompts)."""
+    if value is None:
+        return "-"
+    return f"{value:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+
+
 def study_markdown(result: dict) -> str:
     from eval.report import markdown_table
 
@@ -268,7 +299,7 @@ def study_markdown(result: dict) -> str:
         cells = [r["variant"]]
         for t in temps:
             m = r["by_temperature"][t]
-            cells += [m["alpha"], m["tau"], m["speedup_observed"]]
+            cells += [_pm(m["alpha"], m.get("alpha_se")), m["tau"], _pm(m["speedup_observed"], m.get("speedup_observed_se"))]
         cells += [round(r["distill_seconds"] / 60, 1), r["distill_tokens"], r["data"]["completion_tokens"],
                   r["best_checkpoint"], "*" if r["variant"] == result["winner"] else ""]
         table.append(cells)
@@ -276,14 +307,17 @@ def study_markdown(result: dict) -> str:
     domain_table = [[r["variant"]] + [r["alpha_by_domain"].get(t, {}).get(d) for t in temps for d in domains] for r in rows]
     overrides = "\n".join(f"- `{r['variant']}`: {' '.join(f'`{o}`' for o in r['overrides']) or '(base recipe)'}" for r in rows)
     pending = (f" Not finished yet: {', '.join(result['pending'])}." if result.get("pending") else "")
-    return (f"# Study `{result['study']}`\n\nWinner: **{result['winner']}** ({result['rule']}).{pending}\n\n"
+    spread = ("± is the standard error of the per-prompt values over the evaluation prompts (every variant is "
+              "measured on the same prompts, so differences between variants are steadier than that).")
+    return (f"# Study `{result['study']}`\n\nWinner: **{result['winner']}** ({result['rule']}).{pending} {spread}\n\n"
             f"{markdown_table(headers, table)}\n\n### α by domain\n\n"
             f"{markdown_table(['variant'] + [f'{d} T={t}' for t in temps for d in domains], domain_table)}\n\n"
             f"### Overrides\n\n{overrides}\n")
 
 
 def plot_study(result: dict, path: Path) -> None:
-    """Observed speedup and alpha per variant and temperature (bars), and alpha against data tokens."""
+    """Observed speedup and alpha per variant and temperature (bars with their standard errors); alpha against
+    generated training tokens when the variants' data differ in size, else alpha by domain at the first temperature."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -297,20 +331,31 @@ def plot_study(result: dict, path: Path) -> None:
     for ax, key, label in ((axes[0], "speedup_observed", "observed speedup"), (axes[1], "alpha", "alpha")):
         for i, t in enumerate(temps):
             values = [r["by_temperature"][t][key] or 0.0 for r in rows]
-            ax.bar([x + i * width for x in range(len(rows))], values, width, label=f"T={t}")
+            errors = [r["by_temperature"][t].get(f"{key}_se") or 0.0 for r in rows]
+            ax.bar([x + i * width for x in range(len(rows))], values, width, yerr=errors, capsize=2, label=f"T={t}")
         ax.set_xticks([x + width * (len(temps) - 1) / 2 for x in range(len(rows))], names, rotation=30, ha="right",
                       fontsize=8)
         ax.set(ylabel=label, title=f"{label} by variant")
         ax.legend(fontsize=8)
     axes[0].axhline(1.0, color="grey", lw=0.8, ls="--")
-    for t in temps:
-        xs = [r["data"]["completion_tokens"] for r in rows]
-        ys = [r["by_temperature"][t]["alpha"] or 0.0 for r in rows]
-        axes[2].scatter(xs, ys, label=f"T={t}")
-        for x, y, name in zip(xs, ys, names):
-            axes[2].annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    axes[2].set(xlabel="generated training tokens", ylabel="alpha", title="alpha against training data")
-    axes[2].legend(fontsize=8)
+    if len({r["data"]["completion_tokens"] for r in rows}) > 1:
+        for t in temps:
+            xs = [r["data"]["completion_tokens"] for r in rows]
+            ys = [r["by_temperature"][t]["alpha"] or 0.0 for r in rows]
+            axes[2].scatter(xs, ys, label=f"T={t}")
+            for x, y, name in zip(xs, ys, names):
+                axes[2].annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        axes[2].set(xlabel="generated training tokens", ylabel="alpha", title="alpha against training data")
+    else:  # one data set for all: where each variant's alpha comes from instead
+        t = temps[0]
+        domains = sorted({d for r in rows for d in r["alpha_by_domain"].get(t, {})})
+        dw = 0.8 / max(len(rows), 1)
+        for i, r in enumerate(rows):
+            axes[2].bar([x + i * dw for x in range(len(domains))],
+                        [r["alpha_by_domain"].get(t, {}).get(d) or 0.0 for d in domains], dw, label=r["variant"])
+        axes[2].set_xticks([x + dw * (len(rows) - 1) / 2 for x in range(len(domains))], domains)
+        axes[2].set(ylabel="alpha", title=f"alpha by domain, T={t}")
+    axes[2].legend(fontsize=7)
     fig.suptitle(f"study {result['study']}: winner {result['winner']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -321,6 +366,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m train.study", description=__doc__.split("\n\n")[0])
     parser.add_argument("study", help="study YAML file")
     parser.add_argument("--dry-run", action="store_true", help="list the variants and their resolved recipes; run nothing")
+    parser.add_argument("--report", action="store_true",
+                        help="write study.json/md/png from the variants finished so far; run nothing")
     return parser.parse_args(argv)
 
 
@@ -328,7 +375,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     study, base, run_dir = load_study(args.study)
-    run_study(study, base, run_dir, dry_run=args.dry_run)
+    run_study(study, base, run_dir, dry_run=args.dry_run, report=args.report)
 
 
 if __name__ == "__main__":
