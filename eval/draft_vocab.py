@@ -3,7 +3,7 @@
 On a CPU a small draft's output head is most of its cost: for four SmolLM2 layers the 49152 x 576 head
 reads more bytes per token than the layers do; scoring 8192 tokens instead makes a draft token much
 cheaper (`python -m eval --draft RUN/export` against the same with `--full-draft-vocab` measures both;
-the README has the numbers). The tokens are chosen
+docs/default-draft.md has the numbers). The tokens are chosen
 from the generate stage's data: the N with the most target probability in its top-k log-probs, plus
 EOS. Training then fits the draft to the target's distribution restricted to them, and decoding
 drafts from them only.
