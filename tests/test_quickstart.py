@@ -47,4 +47,8 @@ def test_quickstart_smoke_runs_end_to_end_and_resumes_after_a_kill(tmp_path):
     assert all(t["drafted_per_round"] <= 4 for t in report["by_temperature"].values())
     generation = json.loads((export / "generation_config.json").read_text())
     assert generation["num_assistant_tokens"] == 4 and generation["assistant_confidence_threshold"] == 0.5
+    card = (export / "README.md").read_text()  # the target as a user loads it, prompted through its chat template
+    assert 'from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")' in card and "vllm serve HuggingFaceTB/SmolLM2-135M-Instruct" in card
+    usage = card.split("## Use")[1].split("## Measurements")[0]
+    assert "apply_chat_template" in usage and "smollm2-135m-instruct" not in usage
     assert "best" in done.stdout  # the checkpoint table is printed

@@ -21,7 +21,7 @@ from eval.stage import summary_table
 from train.errors import UserError
 from train.fsutil import atomic_write_text
 from train.models import cast_weights, load_model, log
-from train.recipe import dump_recipe
+from train.recipe import DEFAULT_TARGET, DEFAULT_TARGET_HUB_ID, dump_recipe
 
 
 def best_report(run_dir: Path) -> tuple[str, dict, dict]:
@@ -70,13 +70,15 @@ def model_card(recipe, tag: str, report: dict, summary: dict, plots: list[str]) 
         f"{report['draft_vocab_size']} token ids in `{DRAFT_VOCAB_FILE}` (the cheaper draft token above). The weights keep "
         "the full head, so transformers and vLLM load it as is and score every token: the output stays exact, the "
         "draft costs more per token, and acceptance may differ a little from these figures.")
+    # The project's alias of the embedded default is no name a user's library knows: give its hub id.
+    target_id = DEFAULT_TARGET_HUB_ID if recipe.target.model == DEFAULT_TARGET else recipe.target.model
     plot_lines = "\n".join(f"![{Path(p).stem}](plots/{Path(p).name})" for p in plots)
     return f"""---
 library_name: transformers
 tags: [speculative-decoding, draft-model, specdistill]
 ---
 
-# Draft model for `{recipe.target.model}`
+# Draft model for `{target_id}`
 
 A draft for speculative decoding, distilled by specdistill from `{pair['target']}` (draft initialised as
 `{pair['draft'].split('@')[0]}`), exported from `{tag}`: the checkpoint with the highest measured
@@ -86,14 +88,15 @@ speedup ({summary['rule']}).
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
-target = AutoModelForCausalLM.from_pretrained("{recipe.target.model}")
+target = AutoModelForCausalLM.from_pretrained("{target_id}")
 draft = AutoModelForCausalLM.from_pretrained("path/to/this/directory")
 tok = AutoTokenizer.from_pretrained("path/to/this/directory")
-inputs = tok("Write a haiku about rivers.", return_tensors="pt")
+inputs = tok.apply_chat_template([{{"role": "user", "content": "Write a haiku about rivers."}}],
+                                 add_generation_prompt=True, return_tensors="pt", return_dict=True)
 out = target.generate(**inputs, assistant_model=draft, max_new_tokens=64)  # {generate_note}, from generation_config.json
 ```
 
-vLLM (a fixed k: the optimal k for the measured alpha and costs): `vllm serve {recipe.target.model} --speculative-config '{{"model": "path/to/this/directory", "num_speculative_tokens": {fixed_k}}}'`
+vLLM (a fixed k: the optimal k for the measured alpha and costs): `vllm serve {target_id} --speculative-config '{{"model": "path/to/this/directory", "num_speculative_tokens": {fixed_k}}}'`
 
 ## Measurements
 

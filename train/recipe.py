@@ -21,6 +21,7 @@ import yaml
 from train.errors import UserError
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model as a user loads it
 LOSS_NAMES = ("forward_kl", "reverse_kl", "jsd", "tvd", "sequence_ce")
 STAGES = ("generate", "distill", "eval", "export")
 _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
