@@ -264,11 +264,12 @@ def score(row: dict) -> tuple[float, float]:
 
 def write_study(study: StudyFile, variants: list[Variant], run_dir: Path, final: bool = True) -> dict:
     """study.json, study.md and study.png over the finished variants (`pending` names the others)."""
-    rows = [row for row in (_read_row(run_dir / v.name) for v in variants) if row is not None]
+    read = {v.name: _read_row(run_dir / v.name) for v in variants}
+    rows = [row for row in read.values() if row is not None]
     winner = max(rows, key=score)["variant"]
     result = {"study": study.name, "winner": winner,
               "rule": "max mean observed speedup over the eval temperatures; ties by mean alpha", "variants": rows,
-              "pending": [v.name for v in variants if _read_row(run_dir / v.name) is None]}
+              "pending": [name for name, row in read.items() if row is None]}
     atomic_write_json(run_dir / "study.json", result)
     atomic_write_text(run_dir / "study.md", study_markdown(result))
     plot_study(result, run_dir / "study.png")
