@@ -74,6 +74,9 @@ def parse_args(argv=None):
     parser.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                         help="the draft's dtype when it differs from the target's (default: --dtype)")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                        help="decode with a static KV cache and compiled steps (on), eagerly (off), or whichever "
+                             "measured faster on this device (auto, default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--out", default=None, help="output directory (default: runs/eval/<draft name>)")
@@ -101,7 +104,7 @@ def main(argv=None):
     settings = EvalSettings(k=args.k, temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
                             top_k=args.top_k, top_p=args.top_p, fallback_window=args.fallback_window,
                             fallback_threshold=args.fallback_threshold, draft_confidence=args.draft_confidence,
-                            seed=args.seed)
+                            seed=args.seed, compile=args.compile)
     draft_vocab = None
     if not args.full_draft_vocab and Path(args.draft).is_dir():
         try:

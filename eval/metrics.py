@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.speculative import BUCKET_NAMES, CachedLM, _sync, ratio, shared_vocab_size
+from eval.speculative import BUCKET_NAMES, CachedLM, _sync, as_lm, ratio, shared_vocab_size
 
 CONVENTIONS = {
     "alpha": "mean over verified draft positions of beta = sum_x min(p_target, p_draft) = 1 - TV (greedy: argmax match); pooled over requests",
@@ -84,14 +84,15 @@ def measure_costs(target, draft, prefix_ids: list[int], *, k_max: int = 8, repea
     """Time one draft token and target passes over 1..k_max+1 tokens after a cached `prefix_ids`.
 
     `draft_vocab`: the ids a restricted draft head scores (`speculative_decode`'s argument of that name).
+    `target`, `draft`: models (timed eagerly), or the `CachedLM`s the decoder runs (e.g. compiled `StaticLM`s).
 
     The passes are timed round-robin (draft, target m = 1, 2, ...), `repeats` rounds after one warm-up
     round, and each cost is the median: a slow moment of the machine hits every m alike instead of
     one of them.
     """
-    vocab = shared_vocab_size(target, draft, draft_vocab)
+    vocab = None if isinstance(target, CachedLM) else shared_vocab_size(target, draft, draft_vocab)
     probe = (prefix_ids * (1 + (k_max + 1) // max(len(prefix_ids), 1)))[: k_max + 1]
-    target_lm, draft_lm = CachedLM(target, vocab), CachedLM(draft, vocab, draft_vocab)
+    target_lm, draft_lm = as_lm(target, vocab), as_lm(draft, vocab, draft_vocab)
     target_lm.forward(prefix_ids, keep=1)
     draft_lm.forward(prefix_ids, keep=1)
     sizes = range(1, k_max + 2)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from eval.compiled import prepare_decoders
 from eval.draft_vocab import restricted_head
 from eval.metrics import (CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, per_token_speedup, predicted_speedup,
                           theory_k)
@@ -36,6 +37,8 @@ class EvalSettings:
     """> 0: dynamic draft length, `k` a cap (`speculative_decode`'s `confidence`)."""
     max_prompt_tokens: int = 512
     seed: int = 0
+    compile: str = "off"
+    """`on`: a static KV cache and compiled steps (eval/compiled.py); `off`: eager; `auto`: the faster here."""
 
     @property
     def fixed_k(self) -> int | None:
@@ -47,7 +50,7 @@ class EvalSettings:
         return cls(k=section.k, temperatures=tuple(section.temperatures), max_new_tokens=section.max_new_tokens,
                    top_k=section.top_k, top_p=section.top_p, fallback_window=section.fallback_window,
                    fallback_threshold=section.fallback_threshold, draft_confidence=section.draft_confidence,
-                   max_prompt_tokens=max_prompt_tokens, seed=seed)
+                   max_prompt_tokens=max_prompt_tokens, seed=seed, compile=section.compile)
 
     @classmethod
     def of_report(cls, report: dict) -> "EvalSettings":
@@ -129,35 +132,47 @@ def evaluate_pair(
 
     device = next(target.parameters()).device
     sub_ids = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long, device=device)
-    with packed_linears(target), restricted_head(draft, draft_vocab), packed_linears(draft):
-        # Warm both models up (first calls allocate), then measure the costs on a real prompt.
-        speculative_decode(target, draft, encoded[0], k=settings.k, max_new_tokens=4, vocab_size=vocab, draft_vocab=sub_ids)
-        costs = measure_costs(target, draft, encoded[0], k_max=max(8, settings.k), draft_vocab=sub_ids)
-
-        records = []
-        bar = tqdm(total=len(prompts) * len(settings.temperatures), desc="eval requests", unit="req", disable=not progress)
-        for t_index, temperature in enumerate(settings.temperatures):
-            sampling = Sampling(temperature, settings.top_k, settings.top_p)
-            for p_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
-                seed = settings.seed * 1_000_003 + t_index * 10_007 + p_index
-                common = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=eos, vocab_size=vocab)
-                vanilla = vanilla_decode(target, ids, generator=torch.Generator(device).manual_seed(seed), **common)
-                spec = speculative_decode(
-                    target, draft, ids, k=settings.k, generator=torch.Generator(device).manual_seed(seed),
-                    fallback_window=settings.fallback_window, fallback_threshold=settings.fallback_threshold,
-                    draft_vocab=sub_ids, confidence=settings.draft_confidence, **common,
-                )
-                records.append(_request_record(prompt, temperature, settings, pair, spec, vanilla, costs))
-                bar.update(1)
-                bar.set_postfix(T=temperature, alpha=f"{spec.alpha or 0:.2f}", tau=f"{spec.tau or 0:.2f}")
-        bar.close()
+    with restricted_head(draft, draft_vocab):
+        decoders = prepare_decoders(target, draft, settings.compile, vocab_size=vocab, draft_vocab=sub_ids, probe_ids=encoded[0],
+                                    max_length=max(map(len, encoded)) + settings.max_new_tokens, k=settings.k)
+        eager = not decoders.compiled
+        with packed_linears(target, enabled=eager), packed_linears(draft, enabled=eager):
+            records, costs = _decode_all(decoders.target, decoders.draft, prompts, encoded, settings, pair, eos, vocab, sub_ids,
+                                         device, progress)
 
     report = build_report(records, costs, settings, target_name=target_name, draft_name=draft_name,
                           device=str(device), dtype=str(next(target.parameters()).dtype))
     report["draft_vocab_size"] = None if draft_vocab is None else len(draft_vocab)
+    report["decoder"] = decoders.to_dict()
     if out_dir is not None:
         write_report(report, records, out_dir, plots=plots)
     return report
+
+
+def _decode_all(target, draft, prompts, encoded, settings: EvalSettings, pair: str, eos, vocab: int, sub_ids, device,
+                progress: bool):
+    """Every prompt at every temperature, vanilla then speculative; (records, measured costs)."""
+    # Warm both models up (first calls allocate), then measure the costs on a real prompt.
+    speculative_decode(target, draft, encoded[0], k=settings.k, max_new_tokens=4, vocab_size=vocab, draft_vocab=sub_ids)
+    costs = measure_costs(target, draft, encoded[0], k_max=max(8, settings.k), draft_vocab=sub_ids)
+    records = []
+    bar = tqdm(total=len(prompts) * len(settings.temperatures), desc="eval requests", unit="req", disable=not progress)
+    for t_index, temperature in enumerate(settings.temperatures):
+        sampling = Sampling(temperature, settings.top_k, settings.top_p)
+        for p_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+            seed = settings.seed * 1_000_003 + t_index * 10_007 + p_index
+            common = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=eos, vocab_size=vocab)
+            vanilla = vanilla_decode(target, ids, generator=torch.Generator(device).manual_seed(seed), **common)
+            spec = speculative_decode(
+                target, draft, ids, k=settings.k, generator=torch.Generator(device).manual_seed(seed),
+                fallback_window=settings.fallback_window, fallback_threshold=settings.fallback_threshold,
+                draft_vocab=sub_ids, confidence=settings.draft_confidence, **common,
+            )
+            records.append(_request_record(prompt, temperature, settings, pair, spec, vanilla, costs))
+            bar.update(1)
+            bar.set_postfix(T=temperature, alpha=f"{spec.alpha or 0:.2f}", tau=f"{spec.tau or 0:.2f}")
+    bar.close()
+    return records, costs
 
 
 def build_report(records: list[dict], costs, settings: EvalSettings, *, target_name, draft_name, device, dtype) -> dict:
@@ -246,6 +261,11 @@ def summary_text(report: dict) -> str:
         f"costs: draft {costs['t_draft_ms']:.1f} ms/token, target {costs['t_target_ms']['1']:.1f} ms (1 token), "
         f"{costs['t_target_ms'][str(k + 1)]:.1f} ms ({k + 1} tokens), c = {costs['c']:.3f}\n"
     )
+    decoder = report.get("decoder")
+    if decoder:
+        head += f"decoder: {decoder['mode']} (eval.compile={decoder['requested']}"
+        head += f", compiling took {decoder['compile_seconds']:.0f} s" if decoder["compile_seconds"] else ""
+        head += f"; {decoder['note']})\n" if decoder["note"] else ")\n"
     headers, rows = temperature_rows(report)
     domain_headers, domains = domain_rows(report)
     tail = f"max profitable temperature: {_fmt(report['max_profitable_temperature'])}"

@@ -78,39 +78,67 @@ def cache_kwarg(model) -> str:
 class CachedLM:
     """A causal LM and its KV cache; `forward` appends tokens, `crop` rolls back to a length.
 
+    This one runs eagerly with a transformers `DynamicCache`; `eval.compiled.StaticLM` keeps a static cache
+    and compiled steps behind the same three methods. `length` is counted here, in Python, so reading it
+    never waits for the device.
+
     `token_ids`: the model's head scores only these ids (a reduced draft vocabulary, `eval.draft_vocab`);
     its logits are placed at their ids in a row of -inf, so every other token has probability 0.
     """
 
     def __init__(self, model, vocab_size: int, token_ids: torch.Tensor | None = None):
-        from transformers import DynamicCache
-
         self.model = model
         self.vocab_size = vocab_size
         self.token_ids = token_ids
-        self.cache = DynamicCache(config=model.config)
         self.device = next(model.parameters()).device
         self.cache_kwarg = cache_kwarg(model)
+        self.cache = self.new_cache()
+        self.length = 0
 
-    @property
-    def length(self) -> int:
-        return self.cache.get_seq_length()
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def reset(self) -> None:
+        """Forget every token (a new request)."""
+        self.cache = self.new_cache()
+        self.length = 0
 
     def forward(self, token_ids: list[int], keep: int = 1) -> torch.Tensor:
         """Feed `token_ids` after the cached ones; logits of the last `keep` positions, (keep, V)."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        logits = self.run(ids, keep)
+        self.length += len(token_ids)
+        return logits
+
+    def run(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
+        """One forward pass over `ids` (1, n) with the cache: the last `keep` rows of logits, (keep, V)."""
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{self.cache_kwarg: self.cache})
+        return self.place(out.logits[0, -keep:])
+
+    def place(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's logits (n, V_model) as rows over the shared vocabulary (n, V)."""
         # A model spread over several GPUs (device_map) returns logits on its last one: bring them home.
-        logits = out.logits[0, -keep:].to(self.device)
+        logits = logits.to(self.device)
         if self.token_ids is None:
             return logits[:, : self.vocab_size]
-        full = logits.new_full((keep, self.vocab_size), float("-inf"))
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.token_ids, logits)
 
     def crop(self, length: int) -> None:
         extra = self.length - length
         if extra > 0:
             self.cache.crop(-extra)  # transformers 5: a negative count removes that many positions
+            self.length = length
+
+
+def as_lm(model_or_lm, vocab_size: int, token_ids: torch.Tensor | None = None) -> CachedLM:
+    """A model wrapped in a fresh eager `CachedLM`, or a given `CachedLM` (e.g. a compiled one) reset for a new request."""
+    if isinstance(model_or_lm, CachedLM):
+        model_or_lm.reset()
+        return model_or_lm
+    return CachedLM(model_or_lm, vocab_size, token_ids)
 
 
 @dataclass
@@ -158,6 +186,28 @@ class DecodeResult:
     def tau(self) -> float | None:
         return ratio(self.tokens_generated, self.rounds)
 
+    def record_round(self, generated: int, drafted: int, accepted: int, beta: torch.Tensor) -> list[int]:
+        """Count one verified round whose first drafted token lands at position `generated`; returns the
+        acceptance outcome (1/0) of each verified slot, in order, for the guardrail."""
+        reached = min(accepted + 1, drafted)
+        beta_list = beta[:reached].tolist()
+        self.rounds += 1
+        self.total_drafted += drafted
+        self.total_accepted += accepted
+        self.verified += reached
+        self.beta_sum += sum(beta_list)
+        outcomes = []
+        for slot in range(drafted):
+            self.slot_rounds[slot] += 1
+        for slot in range(reached):
+            self.slot_reached[slot] += 1
+            self.slot_accepted[slot] += int(slot < accepted)
+            bucket = position_bucket(generated + slot)
+            self.bucket_beta_sum[bucket] += beta_list[slot]
+            self.bucket_count[bucket] += 1
+            outcomes.append(int(slot < accepted))
+        return outcomes
+
 
 def sample(probs: torch.Tensor, generator=None) -> torch.Tensor:
     """One index per row drawn from `probs` (..., V) -> (...), by inverting the cumulative distribution.
@@ -193,6 +243,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _prefill(lm: CachedLM, prompt_ids: list[int]) -> None:
+    """Cache every prompt token but the last (each cache holds all tokens but the last)."""
     if len(prompt_ids) > 1:
         lm.forward(prompt_ids[:-1], keep=1)
 
@@ -231,6 +282,69 @@ def shared_vocab_size(target, draft, draft_vocab: torch.Tensor | None = None) ->
     return min(output_vocab_size(target), output_vocab_size(draft))
 
 
+def draft_tokens(draft: CachedLM, tokens: list[int], k: int, sampling: Sampling, generator,
+                 confidence: float) -> tuple[list[int], torch.Tensor]:
+    """Up to `k` draft tokens after `tokens` and the draft's rows they were picked from, (n, V): greedy logits,
+    else probabilities. The draft first catches up on the tokens it has not seen. With `confidence` > 0 the
+    round stops after a token the draft gives q below it (transformers' assistant_confidence_threshold)."""
+    drafted, q_rows = [], []
+    pending = tokens[draft.length:]
+    for _ in range(k):
+        q_logits = draft.forward(pending, keep=1)[0]  # (V,)
+        q_row = q_logits if sampling.greedy else probs_from_logits(q_logits, sampling)
+        token = int(_pick(q_row, sampling, generator))
+        drafted.append(token)
+        q_rows.append(q_row)
+        pending = [token]
+        if confidence > 0 and _draft_probability(q_logits, q_row, token, sampling) < confidence:
+            break  # an unsure draft: verify what we have rather than draft past it
+    return drafted, torch.stack(q_rows)
+
+
+def verify_greedy(p_logits: torch.Tensor, q_rows: torch.Tensor, drafted: torch.Tensor, generator=None):
+    """Keep drafted tokens while they equal the target's argmax; the target's argmax after them is the extra token.
+
+    `p_logits` (n+1, V) target rows for [last, d_1..d_n]; `q_rows` (n, V) the draft's logits; `drafted` (n,).
+    Returns (accepted count, extra token, beta (n,)), beta = 1[argmax q == argmax p] per slot."""
+    n = len(drafted)
+    p_pick = p_logits.argmax(-1)  # (n+1,)
+    accepted = int((p_pick[:n] == drafted).long().cumprod(0).sum())
+    beta = (q_rows.argmax(-1) == p_pick[:n]).float()
+    return accepted, int(p_pick[accepted]), beta
+
+
+def verify_sampled(p_rows: torch.Tensor, q_rows: torch.Tensor, drafted: torch.Tensor, generator=None):
+    """Leviathan et al. 2023, Algorithm 1: keep d_i with probability min(1, p(d_i) / q(d_i)) until the first
+    rejection, draw the extra token from norm(max(0, p - q)) there, or from p after the last slot.
+
+    `p_rows` (n+1, V) and `q_rows` (n, V) are probabilities. Returns (accepted count, extra token, beta (n,)),
+    beta = sum_x min(p, q) per slot."""
+    n = len(drafted)
+    idx = torch.arange(n, device=drafted.device)
+    u = torch.rand(n, generator=generator, device=drafted.device)
+    keep = u * q_rows[idx, drafted] < p_rows[idx, drafted]  # u < p/q without dividing by q
+    accepted = int(keep.long().cumprod(0).sum())
+    if accepted < n:
+        extra = sample(residual_distribution(p_rows[accepted], q_rows[accepted]), generator)
+    else:
+        extra = sample(p_rows[n], generator)
+    return accepted, int(extra), torch.minimum(p_rows[:n], q_rows).sum(-1)
+
+
+class Guardrail:
+    """Rolling acceptance over the last `window` verified slots; `tripped` when it falls below `threshold`."""
+
+    def __init__(self, window: int, threshold: float):
+        self.enabled = window > 0 and threshold > 0
+        self.outcomes: deque[int] = deque(maxlen=max(window, 1))
+        self.threshold = threshold
+
+    def tripped(self, outcomes: list[int]) -> bool:
+        self.outcomes.extend(outcomes)
+        full = len(self.outcomes) == self.outcomes.maxlen
+        return self.enabled and full and sum(self.outcomes) < self.threshold * len(self.outcomes)
+
+
 @torch.no_grad()
 def vanilla_decode(
     target,
@@ -242,19 +356,21 @@ def vanilla_decode(
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
 ) -> DecodeResult:
-    """Plain autoregressive decoding with the same cache handling as `speculative_decode`."""
-    lm = CachedLM(target, vocab_size or output_vocab_size(target))
+    """Plain autoregressive decoding with the same cache handling as `speculative_decode`.
+
+    `target`: a model, or a `CachedLM` (e.g. `eval.compiled.StaticLM`) to decode with."""
+    target = as_lm(target, vocab_size or (None if isinstance(target, CachedLM) else output_vocab_size(target)))
     eos = set(eos_token_ids)
-    _sync(lm.device)
+    _sync(target.device)
     start = time.perf_counter()
-    _prefill(lm, prompt_ids)
+    _prefill(target, prompt_ids)
     tokens = list(prompt_ids)
     stopped = False
     rounds = 0
     while not stopped and len(tokens) - len(prompt_ids) < max_new_tokens:
-        stopped = _finish(tokens, [_target_step(lm, tokens, sampling, generator)], eos)
+        stopped = _finish(tokens, [_target_step(target, tokens, sampling, generator)], eos)
         rounds += 1
-    _sync(lm.device)
+    _sync(target.device)
     result = DecodeResult(tokens[len(prompt_ids):], time.perf_counter() - start, rounds=rounds)
     result.finish_reason = "eos" if stopped else "length"
     return result
@@ -279,6 +395,8 @@ def speculative_decode(
 ) -> DecodeResult:
     """Decode one request with `draft` proposing `k` tokens a round and `target` verifying them.
 
+    `target`, `draft`: models, or `CachedLM`s built for them (e.g. `eval.compiled.StaticLM`, which then carry
+    the vocabulary and draft_vocab they were built with).
     `vocab_size`: the shared vocabulary (logits beyond it, padding rows of one model, are ignored).
     `draft_vocab`: the token ids the draft's head scores, in its order, when it runs under
     `eval.draft_vocab.restricted_head` (None: the full vocabulary).
@@ -292,92 +410,44 @@ def speculative_decode(
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    vocab = vocab_size or shared_vocab_size(target, draft, draft_vocab)
-    p_lm, q_lm = CachedLM(target, vocab), CachedLM(draft, vocab, draft_vocab)
+    if target is draft and isinstance(target, CachedLM):
+        raise ValueError("target and draft need a cache each: build two CachedLMs (of the same model if need be)")
+    if vocab_size is None and not isinstance(target, CachedLM):
+        vocab_size = shared_vocab_size(target, draft, draft_vocab)
+    target, draft = as_lm(target, vocab_size), as_lm(draft, vocab_size, draft_vocab)
+    verify = verify_greedy if sampling.greedy else verify_sampled
     eos = set(eos_token_ids)
     result = DecodeResult([], 0.0, slot_reached=[0] * k, slot_accepted=[0] * k, slot_rounds=[0] * k)
-    outcomes: deque[int] = deque(maxlen=max(fallback_window, 1))
-    guard = fallback_window > 0 and fallback_threshold > 0
+    guard = Guardrail(fallback_window, fallback_threshold)
     n_prompt = len(prompt_ids)
 
-    _sync(p_lm.device)
+    _sync(target.device)
     start = time.perf_counter()
-    _prefill(p_lm, prompt_ids)
+    _prefill(target, prompt_ids)
     tokens = list(prompt_ids)
     stopped = False
     while not stopped and (generated := len(tokens) - n_prompt) < max_new_tokens:
         k_round = min(k, max_new_tokens - generated - 1)
         if k_round == 0 or result.fallback_triggered:
-            stopped = _finish(tokens, [_target_step(p_lm, tokens, sampling, generator)], eos)
+            stopped = _finish(tokens, [_target_step(target, tokens, sampling, generator)], eos)
             result.rounds += 1
             continue
 
-        # Draft k tokens: the draft catches up on tokens it has not seen, then feeds its own picks.
-        drafted: list[int] = []
-        q_rows = []
-        pending = tokens[q_lm.length :]
-        for _ in range(k_round):
-            q_logits = q_lm.forward(pending, keep=1)[0]  # (V,)
-            q_row = q_logits if sampling.greedy else probs_from_logits(q_logits, sampling)
-            token = int(_pick(q_row, sampling, generator))
-            drafted.append(token)
-            q_rows.append(q_row)
-            pending = [token]
-            if confidence > 0 and _draft_probability(q_logits, q_row, token, sampling) < confidence:
-                break  # an unsure draft: verify what we have rather than draft past it
-        k_round = len(drafted)
-
-        # Verify all k in one target pass over [last, d_1..d_k]: row i scores d_{i+1}, row k is the bonus.
-        p_logits = p_lm.forward([tokens[-1]] + drafted, keep=k_round + 1)  # (k+1, V)
-        d = torch.tensor(drafted, device=p_logits.device)
-        q_all = torch.stack(q_rows)  # (k, V)
-        if sampling.greedy:
-            p_pick = p_logits.argmax(-1)  # (k+1,)
-            accept = p_pick[:k_round] == d
-            beta = (q_all.argmax(-1) == p_pick[:k_round]).float()
-        else:
-            p_all = probs_from_logits(p_logits, sampling)  # (k+1, V)
-            idx = torch.arange(k_round, device=d.device)
-            u = torch.rand(k_round, generator=generator, device=d.device)
-            accept = u * q_all[idx, d] < p_all[idx, d]  # u < p/q without dividing by q
-            beta = torch.minimum(p_all[:k_round], q_all).sum(-1)
-        n_accept = int(accept.long().cumprod(0).sum())
-
-        if sampling.greedy:
-            extra = int(p_pick[n_accept])
-        elif n_accept < k_round:
-            residual = residual_distribution(p_all[n_accept], q_all[n_accept])
-            extra = int(sample(residual, generator))
-        else:
-            extra = int(_pick(p_all[k_round], sampling, generator))
-
-        reached = min(n_accept + 1, k_round)
-        beta_list = beta[:reached].tolist()
-        result.rounds += 1
-        result.total_drafted += k_round
-        result.total_accepted += n_accept
-        result.verified += reached
-        result.beta_sum += sum(beta_list)
-        for slot in range(k_round):
-            result.slot_rounds[slot] += 1
-        for slot in range(reached):
-            result.slot_reached[slot] += 1
-            result.slot_accepted[slot] += int(slot < n_accept)
-            bucket = position_bucket(generated + slot)
-            result.bucket_beta_sum[bucket] += beta_list[slot]
-            result.bucket_count[bucket] += 1
-            outcomes.append(int(slot < n_accept))
+        drafted, q_rows = draft_tokens(draft, tokens, k_round, sampling, generator, confidence)  # n, (n, V)
+        # One target pass over [last, d_1..d_n]: row i scores d_{i+1}, row n gives the extra token.
+        p_logits = target.forward([tokens[-1]] + drafted, keep=len(drafted) + 1)  # (n+1, V)
+        p_rows = p_logits if sampling.greedy else probs_from_logits(p_logits, sampling)
+        accepted, extra, beta = verify(p_rows, q_rows, torch.tensor(drafted, device=p_rows.device), generator)
+        outcomes = result.record_round(generated, len(drafted), accepted, beta)
 
         # Roll back: keep the accepted prefix in both caches (each holds all tokens but the last).
-        p_lm.crop(len(tokens) + n_accept)
-        q_lm.crop(min(q_lm.length, len(tokens) + n_accept))
-        stopped = _finish(tokens, drafted[:n_accept] + [extra], eos)
+        target.crop(len(tokens) + accepted)
+        draft.crop(min(draft.length, len(tokens) + accepted))
+        stopped = _finish(tokens, drafted[:accepted] + [extra], eos)
+        if guard.tripped(outcomes) and not stopped:
+            result.fallback_triggered, result.fallback_at = True, len(tokens) - n_prompt
 
-        if guard and not stopped and len(outcomes) == outcomes.maxlen and sum(outcomes) < fallback_threshold * len(outcomes):
-            result.fallback_triggered = True
-            result.fallback_at = len(tokens) - n_prompt
-
-    _sync(p_lm.device)
+    _sync(target.device)
     result.wall_time = time.perf_counter() - start
     result.output_ids = tokens[n_prompt:]
     result.finish_reason = "eos" if stopped else "length"

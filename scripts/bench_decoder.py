@@ -1,19 +1,25 @@
-"""Benchmark the speculative decoder: python scripts/bench_decoder.py [--prompts 4] [--max-new-tokens 64] [--k 4]
+"""Benchmark the decoder, eager against compiled: python scripts/bench_decoder.py [--draft runs/default/export] [--device auto]
 
-On the default target (SmolLM2-135M-Instruct), greedy, with (a) the target itself as draft and (b) a draft
-made of a few of the target's layers, it times in one run, on the same prompts: vanilla decoding (ours),
-our speculative decoding, and transformers' assisted generation (`assistant_model=`, same k, constant
-schedule), each with plain linear layers and with oneDNN-packed ones (`eval/packed.py`, what the eval
-uses on a CPU). A second table gives the target's forward time over m = 1..9 tokens both ways. Prints
-the tables and writes JSON (default runs/bench/bench_decoder.json).
+For the default target (SmolLM2-135M-Instruct) and a draft (an exported draft directory, its draft_vocab.json
+used as in the eval; default: layers 0,1,29 of the target), greedy, on the independent evaluation prompts, it
+times in one run, on the same prompts:
 
-Goals (issue 3): our speculative wall time <= assisted generation's on the same pair and k; observed
-speedup >= 0.85 x the theoretical speedup from measured costs and alpha.
+- our vanilla and speculative decoding in each decoder mode: `eager` (a DynamicCache; plain linear layers),
+  on a CPU also `packed` (eager with oneDNN-packed linears, what the eager eval runs), and `compiled` (a static
+  KV cache and compiled steps, CUDA graphs on a GPU: eval/compiled.py, `eval.compile: on`);
+- transformers' `generate()` as a serving user would compare: eager, and with `cache_implementation="static"`
+  (compiled; the vanilla baseline of a compiled stack), and assisted generation (`assistant_model=`, same k).
+
+Per mode: compile seconds, measured costs (one draft token, one target token, a verify pass of k+1), ms per
+token of vanilla and speculative decoding, α, τ, observed and theoretical speedup, and the share of greedy
+requests whose output equals vanilla's (in the mode, and against eager vanilla). Prints the tables, checks
+issue 15's goals, and writes JSON (default runs/bench/bench_decoder.json). Name the processor with any figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import sys
 import time
 from pathlib import Path
@@ -22,114 +28,191 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eval.compiled import prepare_decoders  # noqa: E402
+from eval.draft_vocab import load_draft_vocab, restricted_head  # noqa: E402
 from eval.metrics import measure_costs, predicted_speedup  # noqa: E402
 from eval.packed import packed_linears  # noqa: E402
 from eval.report import eos_ids, format_table  # noqa: E402
 from eval.speculative import speculative_decode, vanilla_decode  # noqa: E402
 from train.fsutil import atomic_write_json  # noqa: E402
-from train.models import draft_from_layers, load_model, load_tokenizer  # noqa: E402
+from train.models import draft_from_layers, load_model, load_tokenizer, pick_device  # noqa: E402
 from train.prompts import builtin_prompts, encode_prompt, spread  # noqa: E402
 from train.recipe import DEFAULT_TARGET  # noqa: E402
 
 
-def assisted_generate(target, draft, ids: list[int], k: int, max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
-    draft.generation_config.num_assistant_tokens = k
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0  # keep k fixed, as in our decoder
-    inputs = torch.tensor([ids])
+def processor_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_generate(target, ids, max_new_tokens, eos, *, static=False, draft=None, k=4):
+    """transformers' generate(), greedy: eager, static-cache compiled (`static`), or assisted (`draft`)."""
+    from transformers import CompileConfig
+
+    inputs = torch.tensor([ids], device=target.device)
+    kwargs = dict(attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=max_new_tokens,
+                  eos_token_id=eos, pad_token_id=eos[0])
+    if static:
+        config = CompileConfig(fullgraph=True)
+        config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+        kwargs |= dict(cache_implementation="static", compile_config=config)
+    if draft is not None:
+        draft.generation_config.num_assistant_tokens = k
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0  # k fixed, as in our decoder
+        kwargs["assistant_model"] = draft
+    _sync(target.device)
     start = time.perf_counter()
-    out = target.generate(inputs, attention_mask=torch.ones_like(inputs), assistant_model=draft, do_sample=False,
-                          max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0])
+    out = target.generate(inputs, **kwargs)
+    _sync(target.device)
     return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
-def bench_pair(name, target, draft, prompts, k, max_new_tokens, eos, vocab, packed: bool):
+def bench_mode(mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla):
+    compile_mode = "on" if mode == "compiled" else "off"
+    decoders = prepare_decoders(target, draft, compile_mode, vocab_size=vocab, draft_vocab=sub_ids, probe_ids=prompts[0],
+                                max_length=max(map(len, prompts)) + args.max_new_tokens, k=args.k)
+    packed = mode == "packed"
     with packed_linears(target, enabled=packed), packed_linears(draft, enabled=packed):
-        row = _bench_pair(target, draft, prompts, k, max_new_tokens, eos, vocab)
-    return {"pair": name, "linears": "packed" if packed else "plain"} | row
-
-
-def _bench_pair(target, draft, prompts, k, max_new_tokens, eos, vocab):
-    # Warm up every path once (first calls allocate and pick kernels).
-    vanilla_decode(target, prompts[0], max_new_tokens=4, eos_token_ids=eos, vocab_size=vocab)
-    speculative_decode(target, draft, prompts[0], k=k, max_new_tokens=4, eos_token_ids=eos, vocab_size=vocab)
-    assisted_generate(target, draft, prompts[0], k, 4, eos)
-    costs = measure_costs(target, draft, prompts[0], k_max=max(8, k))
-    t_van = t_spec = t_hf = 0.0
-    n_van = n_spec = n_hf = rounds = 0
-    beta = verified = 0.0
-    identical = 0
-    for ids in prompts:
-        van = vanilla_decode(target, ids, max_new_tokens=max_new_tokens, eos_token_ids=eos, vocab_size=vocab)
-        spec = speculative_decode(target, draft, ids, k=k, max_new_tokens=max_new_tokens, eos_token_ids=eos, vocab_size=vocab)
-        hf_ids, hf_time = assisted_generate(target, draft, ids, k, max_new_tokens, eos)
-        t_van, t_spec, t_hf = t_van + van.wall_time, t_spec + spec.wall_time, t_hf + hf_time
-        n_van, n_spec, n_hf = n_van + van.tokens_generated, n_spec + spec.tokens_generated, n_hf + len(hf_ids)
-        rounds += spec.rounds
-        beta += spec.beta_sum
-        verified += spec.verified
-        identical += spec.output_ids == van.output_ids
-    alpha = beta / verified if verified else 0.0
-    theory = predicted_speedup(alpha, k, costs)
-    observed = t_van / t_spec
+        t, d = decoders.target, decoders.draft
+        speculative_decode(t, d, prompts[0], k=args.k, max_new_tokens=4, vocab_size=vocab, draft_vocab=sub_ids)  # warm up
+        vanilla_decode(t, prompts[0], max_new_tokens=4, vocab_size=vocab)
+        costs = measure_costs(t, d, prompts[0], k_max=max(8, args.k), draft_vocab=sub_ids)
+        totals = dict(t_van=0.0, t_spec=0.0, n_van=0, n_spec=0, rounds=0, beta=0.0, verified=0, identical=0, same_as_eager=0)
+        outputs = []
+        for ids in prompts:
+            van = vanilla_decode(t, ids, max_new_tokens=args.max_new_tokens, eos_token_ids=eos, vocab_size=vocab)
+            spec = speculative_decode(t, d, ids, k=args.k, max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
+                                      vocab_size=vocab, draft_vocab=sub_ids, confidence=args.draft_confidence)
+            for key, value in (("t_van", van.wall_time), ("t_spec", spec.wall_time), ("n_van", van.tokens_generated),
+                               ("n_spec", spec.tokens_generated), ("rounds", spec.rounds), ("beta", spec.beta_sum),
+                               ("verified", spec.verified), ("identical", spec.output_ids == van.output_ids)):
+                totals[key] += value
+            outputs.append(van.output_ids)
+    if eager_vanilla is not None:
+        totals["same_as_eager"] = sum(a == b for a, b in zip(outputs, eager_vanilla))
+    alpha = totals["beta"] / totals["verified"] if totals["verified"] else 0.0
+    theory = predicted_speedup(alpha, args.k, costs)
     return {
-        "k": k,
-        "alpha": alpha,
-        "tau": n_spec / rounds,
-        "c": costs.c,
-        "costs": costs.to_dict(),
-        "tokens_per_s_vanilla": n_van / t_van,
-        "tokens_per_s_ours": n_spec / t_spec,
-        "tokens_per_s_assisted": n_hf / t_hf,
-        "wall_time_vanilla": t_van,
-        "wall_time_ours": t_spec,
-        "wall_time_assisted": t_hf,
-        "speedup_observed": observed,
+        "mode": mode, "compile_seconds": decoders.compile_seconds, "costs": costs.to_dict(),
+        "t_draft_ms": 1e3 * costs.t_draft, "t_target1_ms": 1e3 * costs.t_target[1],
+        "t_verify_ms": 1e3 * costs.t_target[args.k + 1], "c": costs.c, "alpha": alpha,
+        "tau": totals["n_spec"] / totals["rounds"],
+        "ms_per_token_vanilla": 1e3 * totals["t_van"] / totals["n_van"],
+        "ms_per_token_ours": 1e3 * totals["t_spec"] / totals["n_spec"],
+        "speedup_observed": (totals["t_van"] / totals["n_van"]) / (totals["t_spec"] / totals["n_spec"]),
         "speedup_theoretical": theory,
-        "observed_over_theoretical": observed / theory,
-        "ours_over_assisted_time": t_spec / t_hf,
-        "greedy_identical": identical / len(prompts),
-        "goal_no_slower_than_assisted": t_spec <= t_hf,
-        "goal_observed_ge_0.85_theoretical": observed >= 0.85 * theory,
-    }
+        "greedy_identical": totals["identical"] / len(prompts),
+        "vanilla_identical_to_eager": totals["same_as_eager"] / len(prompts) if eager_vanilla is not None else None,
+    }, outputs
+
+
+def bench_hf(target, draft, prompts, args, eos, static=False, assisted=False):
+    for _ in range(2):  # warm up (the static cache's first calls compile)
+        hf_generate(target, prompts[0], 4, eos, static=static, draft=draft if assisted else None, k=args.k)
+    seconds, tokens = 0.0, 0
+    for ids in prompts:
+        out, elapsed = hf_generate(target, ids, args.max_new_tokens, eos, static=static, draft=draft if assisted else None, k=args.k)
+        seconds, tokens = seconds + elapsed, tokens + len(out)
+    name = "generate(), assisted, k=%d" % args.k if assisted else ("generate(), static cache, compiled" if static else "generate(), eager")
+    return {"baseline": name, "ms_per_token": 1e3 * seconds / tokens}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--layers", default="0,1,29", help="target layers making draft (b)")
+    parser.add_argument("--draft", default=None, help="a draft directory (default: --layers of the target)")
+    parser.add_argument("--layers", default="0,1,29", help="target layers making the draft when --draft is not given")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--draft-confidence", type=float, default=0.0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--modes", default=None, help="comma-separated of eager,packed,compiled (default: all the device has)")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate() baselines")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default="runs/bench/bench_decoder.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    modes = args.modes.split(",") if args.modes else (["eager", "packed", "compiled"] if device.type == "cpu" else ["eager", "compiled"])
     tokenizer = load_tokenizer(args.target)
-    target = load_model(args.target, device="cpu" if not torch.cuda.is_available() else None)
-    layers = [int(i) for i in args.layers.split(",")]
-    eos = eos_ids(tokenizer, target)
+    target = load_model(args.target, dtype=args.dtype, device=device).eval()
+    if args.draft:
+        draft = load_model(args.draft, dtype=args.dtype, device=device).eval()
+        vocab_ids = load_draft_vocab(args.draft) if Path(args.draft).is_dir() else None
+    else:
+        draft, vocab_ids = draft_from_layers(target, [int(i) for i in args.layers.split(",")]).to(device).eval(), None
+    sub_ids = None if vocab_ids is None else torch.tensor(vocab_ids, device=device)
+    eos, vocab = eos_ids(tokenizer, target), len(tokenizer)
     prompts = [encode_prompt(tokenizer, p) for p in spread(builtin_prompts("independent"), args.prompts)]
-    layer_draft = draft_from_layers(target, layers).to(target.device).eval()
-    rows = [
-        bench_pair(name, target, draft, prompts, args.k, args.max_new_tokens, eos, len(tokenizer), packed)
-        for name, draft in (("target as its own draft", target), (f"layers {args.layers} of the target", layer_draft))
-        for packed in (False, True)
-    ]
-    headers = ["pair", "linears", "alpha", "tau", "c", "tok/s vanilla", "tok/s ours", "tok/s assisted", "ours/assisted time",
-               "speedup obs", "speedup theo", "obs/theo", "greedy =="]
-    table = [[r["pair"], r["linears"], r["alpha"], r["tau"], r["c"], r["tokens_per_s_vanilla"], r["tokens_per_s_ours"],
-              r["tokens_per_s_assisted"], r["ours_over_assisted_time"], r["speedup_observed"],
-              r["speedup_theoretical"], r["observed_over_theoretical"], r["greedy_identical"]] for r in rows]
-    print(f"greedy, k={args.k}, {len(prompts)} independent evaluation prompts, {args.max_new_tokens} new tokens, "
-          f"device {target.device}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(format_table(headers, table))
-    costs = {r["linears"]: r["costs"]["t_target_ms"] for r in rows if r["pair"] == "target as its own draft"}
-    print("\ntarget forward time (ms) over m tokens after a cached prompt")
-    print(format_table(["linears"] + [f"m={m}" for m in costs["plain"]], [[name] + list(t.values()) for name, t in costs.items()]))
-    out = atomic_write_json(args.out, {"settings": vars(args) | {"threads_used": torch.get_num_threads()}, "results": rows})
+
+    rows, eager_vanilla = [], None
+    with torch.no_grad():
+        for mode in modes:
+            with restricted_head(draft, vocab_ids):
+                row, outputs = bench_mode(mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla)
+            eager_vanilla = eager_vanilla or outputs
+            rows.append(row)
+            print(f"{mode}: {row['ms_per_token_vanilla']:.1f} ms/token vanilla, speedup {row['speedup_observed']:.3f}",
+                  file=sys.stderr, flush=True)
+        baselines = [] if args.no_hf else [bench_hf(target, draft, prompts, args, eos),
+                                           bench_hf(target, draft, prompts, args, eos, static=True),
+                                           bench_hf(target, draft, prompts, args, eos, assisted=True)]
+
+    print(f"greedy, k={args.k}" + (f" (a round stops at q < {args.draft_confidence})" if args.draft_confidence else "")
+          + f", {len(prompts)} independent evaluation prompts, {args.max_new_tokens} new tokens, {device} "
+          f"({processor_name()}), {args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    headers = ["mode", "compile s", "draft ms", "target ms", f"verify {args.k + 1} ms", "c", "alpha", "tau",
+               "vanilla ms/tok", "ours ms/tok", "speedup obs", "speedup theo", "greedy ==", "vanilla == eager"]
+    print(format_table(headers, [[r["mode"], r["compile_seconds"], r["t_draft_ms"], r["t_target1_ms"], r["t_verify_ms"], r["c"],
+                                  r["alpha"], r["tau"], r["ms_per_token_vanilla"], r["ms_per_token_ours"], r["speedup_observed"],
+                                  r["speedup_theoretical"], r["greedy_identical"], r["vanilla_identical_to_eager"]] for r in rows]))
+    if baselines:
+        print("\ntransformers, same prompts")
+        print(format_table(["baseline", "ms/token"], [[b["baseline"], b["ms_per_token"]] for b in baselines]))
+    goals = check_goals(rows, baselines, device)
+    for name, value in goals.items():
+        print(f"goal {name}: {value}")
+    out = atomic_write_json(args.out, {"settings": vars(args) | {"threads_used": torch.get_num_threads()},
+                                       "device": str(device), "processor": processor_name(), "results": rows,
+                                       "baselines": baselines, "goals": goals})
     print(f"wrote {out}")
+
+
+def check_goals(rows, baselines, device) -> dict:
+    """Issue 15's goals, where this run measured what they compare."""
+    by_mode = {r["mode"]: r for r in rows}
+    compiled = by_mode.get("compiled")
+    eager = by_mode.get("packed" if device.type == "cpu" else "eager")
+    goals = {}
+    if compiled and eager:
+        cheaper = 1 - compiled["t_draft_ms"] / eager["t_draft_ms"]
+        higher = compiled["speedup_observed"] / eager["speedup_observed"] - 1
+        goals["draft token cheaper, compiled vs eager"] = f"{100 * cheaper:.0f}% (goal on a CPU: >= 30%)"
+        goals["greedy observed speedup higher, compiled vs eager"] = f"{100 * higher:.0f}% (goal on a CPU: >= 10%)"
+    if compiled and device.type == "cuda":
+        goals["compiled vanilla ms/token"] = f"{compiled['ms_per_token_vanilla']:.2f} (goal: <= 5)"
+        goals["speculative over compiled vanilla"] = f"{compiled['speedup_observed']:.2f}x (goal: >= 1.5x at T = 0)"
+        static = next((b for b in baselines if "static" in b["baseline"]), None)
+        if static:
+            goals["ours compiled vanilla vs transformers static generate()"] = (
+                f"{compiled['ms_per_token_vanilla']:.2f} vs {static['ms_per_token']:.2f} ms/token")
+    return goals
 
 
 if __name__ == "__main__":

@@ -61,6 +61,43 @@ def make_model(vocab_size: int, layers: int = 2, hidden: int = 64, seed: int = 0
     return model.eval()
 
 
+def trained_draft(target, steps=30, vocab_size=None):
+    """A draft partly trained toward the target (a few steps of forward KL on random text)."""
+    V = vocab_size or target.config.vocab_size
+    draft = make_model(V, layers=1, hidden=32, seed=3).train()
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids = torch.randint(0, V, (4, 24), generator=g)
+        with torch.no_grad():
+            p = target(ids).logits.log_softmax(-1)
+        q = draft(ids).logits.log_softmax(-1)
+        loss = (p.exp() * (p - q)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+class StubDraft(torch.nn.Module):
+    """Wraps a model; its logits always put all mass on `token` (a draft that is never accepted)."""
+
+    def __init__(self, model, token):
+        super().__init__()
+        self.model, self.token = model, token
+        self.config = model.config
+
+    def get_output_embeddings(self):
+        return self.model.get_output_embeddings()
+
+    def forward(self, **kwargs):
+        out = self.model(**kwargs)
+        logits = torch.full_like(out.logits, -1e4)
+        logits[..., self.token] = 0.0
+        out.logits = logits
+        return out
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tokenizer()

@@ -20,7 +20,8 @@ def test_eval_command_writes_report_requests_and_plots(tmp_path, tiny_target_dir
                        '{"prompt": "Hello! How can I help you?", "domain": "chat"}\n')
     out = tmp_path / "out"
     eval_main(["--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--prompts", str(prompts),
-               "--k", "3", "--temperatures", "0,1", "--max-new-tokens", "12", "--out", str(out), "--quiet"])
+               "--k", "3", "--temperatures", "0,1", "--max-new-tokens", "12", "--out", str(out), "--quiet",
+               "--compile", "off"])
     printed = capsys.readouterr().out
     assert "alpha" in printed and "speedup_obs" in printed
     report = json.loads((out / "report.json").read_text())
@@ -83,7 +84,7 @@ def test_eval_with_a_dynamic_draft_length(tmp_path, tiny_target_dir, tiny_draft_
     out = tmp_path / "out"
     eval_main(["--target", str(tiny_target_dir), "--draft", str(tiny_target_dir), "--k", "6", "--draft-confidence", "0.9",
                "--temperatures", "0,1", "--max-new-tokens", "24", "--num-prompts", "3", "--out", str(out), "--quiet",
-               "--no-plots"])
+               "--no-plots", "--compile", "off"])
     assert "k<=6, a round stops after a draft token of q < 0.9" in capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["draft_confidence"] == 0.9 and report["greedy_identical_to_vanilla"] == 1.0
@@ -139,7 +140,7 @@ def test_eval_reads_the_drafts_vocabulary_file_and_rejects_a_bad_one(tmp_path, t
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):"}\n')
     common = ["--target", str(tiny_target_dir), "--prompts", str(prompts), "--temperatures", "0,1", "--max-new-tokens", "10",
-              "--quiet", "--no-plots"]
+              "--quiet", "--no-plots", "--compile", "off"]
     eval_main(common + ["--draft", str(draft), "--out", str(tmp_path / "sub")])
     assert "draft vocabulary: 148 tokens" in capsys.readouterr().out
     report = json.loads((tmp_path / "sub" / "report.json").read_text())

@@ -125,3 +125,17 @@ def test_sampled_output_follows_target_with_a_dynamic_draft_length(pair):
     assert 0.1 * N < first_round[1] < 0.9 * N, "the threshold must cut some first rounds short and not others"
     expected = exact_two_token_distribution(target, sampling).flatten() * N
     assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def test_compiled_sampled_output_follows_target(pair):
+    """The same test through the compiled decoder (static caches, compiled steps; eval/compiled.py)."""
+    from eval.compiled import StaticLM, compile_supported
+
+    if compile_supported(torch.device("cpu")) is not None:
+        pytest.skip("torch.compile cannot run here")
+    target, draft = pair
+    sampling = Sampling(1.0)
+    lms = [StaticLM(model, V, max_length=16, max_verify=3) for model in pair]
+    expected = exact_two_token_distribution(target, sampling).flatten() * N
+    counts = sample_counts(*lms, sampling, k=2)
+    assert chi_square_pvalue(counts, expected) > 1e-3

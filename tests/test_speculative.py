@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import make_model
+from conftest import StubDraft, make_model, trained_draft
 from eval.speculative import CachedLM, Sampling, speculative_decode, vanilla_decode
 
 V = 64
@@ -16,42 +16,6 @@ V = 64
 @pytest.fixture(scope="module")
 def target():
     return make_model(V, layers=2, seed=0)
-
-
-def trained_draft(target, steps=30):
-    """A draft partly trained toward the target (a few steps of forward KL on random text)."""
-    draft = make_model(V, layers=1, hidden=32, seed=3).train()
-    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        ids = torch.randint(0, V, (4, 24), generator=g)
-        with torch.no_grad():
-            p = target(ids).logits.log_softmax(-1)
-        q = draft(ids).logits.log_softmax(-1)
-        loss = (p.exp() * (p - q)).sum(-1).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return draft.eval()
-
-
-class StubDraft(torch.nn.Module):
-    """Wraps a model; its logits always put all mass on `token` (a draft that is never accepted)."""
-
-    def __init__(self, model, token):
-        super().__init__()
-        self.model, self.token = model, token
-        self.config = model.config
-
-    def get_output_embeddings(self):
-        return self.model.get_output_embeddings()
-
-    def forward(self, **kwargs):
-        out = self.model(**kwargs)
-        logits = torch.full_like(out.logits, -1e4)
-        logits[..., self.token] = 0.0
-        out.logits = logits
-        return out
 
 
 PROMPTS = [[5, 9, 17, 3], [40, 41, 2 + 10, 7, 7, 30, 22], [11]]

@@ -28,7 +28,7 @@ def write_study(tmp_path, target_dir, name="s", variants=None):
             "generate": {"temperatures": [0.0], "max_new_tokens": 6, "batch_size": 8, "topk_logprobs": 4},
             "distill": {"losses": {"reverse_kl": 1.0}, "max_steps": 2, "batch_size": 2, "checkpoint_every": 2,
                         "lr": 3e-3, "warmup_steps": 1, "loss_chunk_size": 4, "mixed_precision": "no"},
-            "eval": {"k": 2, "temperatures": [0.0, 1.0], "max_new_tokens": 6, "num_prompts": 2},
+            "eval": {"k": 2, "temperatures": [0.0, 1.0], "max_new_tokens": 6, "num_prompts": 2, "compile": "off"},
             "tracking": {"report_to": "none"}}
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     study = {"name": name, "base": "base.yaml", "output_dir": str(tmp_path / "runs" / name),

@@ -264,6 +264,9 @@ class EvalSection:
     """Acceptance outcomes in the guardrail's rolling window."""
     fallback_threshold: float = 0.4
     """Below this rolling acceptance a request finishes with vanilla decoding (0 disables)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """`on`: a static KV cache and compiled decode steps (CUDA graphs on a GPU; eval/compiled.py); `off`: eager;
+    `auto`: compile, time a draft and a target token both ways, keep the faster (eager where compiling cannot run)."""
 
     def __post_init__(self):
         _check(self.k >= 1, "k", f"must be >= 1, got {self.k}")

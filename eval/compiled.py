@@ -1,0 +1,187 @@
+"""A static KV cache and compiled decode steps (`eval.compile`, `python -m eval --compile`), as serving stacks run.
+
+gpt-fast and vLLM decode with a KV cache allocated once and a decode step compiled (on a GPU captured as a
+CUDA graph): a small model's step is otherwise bound by per-call overhead (kernel launches, Python, the
+allocator), not by the bytes of its weights. `StaticLM` is `CachedLM` on a transformers `StaticCache` sized
+once for the longest request (prompt + new tokens + a round's drafts). A rejected draft is rolled back by
+position: the cache's length goes down and the next pass overwrites the stale entries, which the causal
+mask hides until then. Nothing is re-allocated.
+
+Two steps are compiled per model, once per process: one token (a draft token, a vanilla step) and a verify
+pass over 2..`max_verify` tokens (one graph, dynamic in the token count; CUDA graphs record each count
+once). The draft catches up on the two tokens it has not seen after a fully accepted round with two
+one-token steps, as gpt-fast does. The prefill (a whole prompt) runs eagerly on the same cache.
+
+The numerics are those of the compiled kernels, for vanilla and speculative decoding alike, so compiled is
+compared with compiled; exactness does not depend on them (the greedy equality and the sampling test run
+in this mode too, tests/test_compiled.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from eval.speculative import CachedLM
+
+MODES = ("auto", "on", "off")
+
+
+def compile_supported(device: torch.device) -> str | None:
+    """Why torch.compile cannot run on `device` here (None: it can)."""
+    if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        return "no C++ compiler for inductor's CPU kernels"
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed"
+    if device.type not in ("cpu", "cuda"):
+        return f"compiled decoding is not set up for {device.type}"
+    return None
+
+
+class StaticLM(CachedLM):
+    """`CachedLM` with a static cache of `max_length` positions and compiled steps (`compiled=False`: the same
+    cache, eager steps). `max_verify`: the longest verify pass (k + 1)."""
+
+    def __init__(self, model, vocab_size: int, token_ids: torch.Tensor | None = None, *, max_length: int,
+                 max_verify: int = 9, compiled: bool = True):
+        self.max_length = max_length
+        self.max_verify = max_verify
+        super().__init__(model, vocab_size, token_ids)
+        self.compiled = compiled
+        self.compile_seconds = 0.0
+        self.step_one, self.step_many = self._step_one, self._step_many
+        if compiled:
+            # Each checkpoint's draft is a new graph of the same code; the default of 8 would fall back to eager.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs on a GPU
+            self.step_one = torch.compile(self._step_one, mode=mode, fullgraph=True, dynamic=False)
+            self.step_many = torch.compile(self._step_many, mode=mode, fullgraph=True, dynamic=True)
+
+    def new_cache(self):
+        from transformers import StaticCache
+
+        return StaticCache(config=self.model.config, max_cache_len=self.max_length)
+
+    def reset(self) -> None:
+        self.crop(0)  # the same tensors serve every request
+
+    def _step_one(self, ids: torch.Tensor) -> torch.Tensor:
+        return CachedLM.run(self, ids, 1)
+
+    def _step_many(self, ids: torch.Tensor) -> torch.Tensor:
+        return CachedLM.run(self, ids, ids.shape[1])
+
+    def run(self, ids: torch.Tensor, keep: int) -> torch.Tensor:
+        n = ids.shape[1]
+        if self.length + n > self.max_length:
+            raise ValueError(f"{self.length + n} tokens do not fit the static cache of {self.max_length}")
+        if keep == 1 and n <= 2:
+            for i in range(n):  # one-token steps (the draft catching up on at most two tokens)
+                logits = self._call(self.step_one, ids[:, i:i + 1])
+            return logits
+        if keep == n and n <= self.max_verify:
+            return self._call(self.step_many, ids)
+        return CachedLM.run(self, ids, keep)  # the prefill, eagerly
+
+    def _call(self, step, ids: torch.Tensor) -> torch.Tensor:
+        if self.compiled and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+            return step(ids).clone()  # a CUDA graph's output is overwritten by its next replay
+        return step(ids)
+
+    def warm_up(self, prompt_ids: list[int]) -> float:
+        """Compile (or load) every step on a real prompt before anything is timed; returns the seconds it took."""
+        start = time.perf_counter()
+        for _ in range(2):  # a second call runs what the first compiled (CUDA graphs record on it)
+            self.reset()
+            self.forward(prompt_ids[:-1] or prompt_ids, keep=1)
+            self.forward(prompt_ids[-1:], keep=1)
+            for n in range(2, self.max_verify + 1):  # every verify length, so CUDA graphs are recorded now
+                self.forward(prompt_ids[-1:] * n, keep=n)
+                self.crop(self.length - n)
+        self.reset()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.compile_seconds += time.perf_counter() - start
+        return time.perf_counter() - start
+
+
+_LMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""One `StaticLM` per model and process, so a target measured at every checkpoint is compiled once."""
+
+
+def static_lm(model, vocab_size: int, token_ids: torch.Tensor | None, *, max_length: int, max_verify: int) -> StaticLM:
+    """The process's compiled `StaticLM` of `model`, built (or rebuilt, when it is too small) on demand."""
+    lm = _LMS.get(model)
+    same_head = lm is not None and (lm.token_ids is None) == (token_ids is None) and (
+        token_ids is None or torch.equal(lm.token_ids, token_ids))
+    if not (same_head and lm.vocab_size == vocab_size and lm.max_length >= max_length and lm.max_verify >= max_verify):
+        lm = StaticLM(model, vocab_size, token_ids, max_length=max_length, max_verify=max_verify)
+        _LMS[model] = lm
+    return lm
+
+
+@dataclass
+class Decoders:
+    """What the eval decodes with: the models themselves (eager, a fresh DynamicCache per request) or their
+    compiled `StaticLM`s, and how that was decided."""
+
+    target: object
+    draft: object
+    compiled: bool
+    requested: str
+    compile_seconds: float = 0.0
+    note: str = ""
+    costs: dict = field(default_factory=dict)
+    """auto: the measured costs (ms) of each mode, {"eager": ..., "compiled": ...}."""
+
+    def to_dict(self) -> dict:
+        return {"mode": "compiled" if self.compiled else "eager", "requested": self.requested,
+                "compile_seconds": self.compile_seconds, "note": self.note, "costs": self.costs}
+
+
+def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: torch.Tensor | None,
+                     probe_ids: list[int], max_length: int, k: int) -> Decoders:
+    """Pick eager or compiled decoding for `mode` (`eval.compile`), compiling (outside any timing) when needed.
+
+    `auto` compiles, then times one draft token and one target token both ways (`measure_costs`, eager with
+    packed linears as the eager eval runs) and keeps the faster (smaller t_draft + t_target(1)); where
+    compiling cannot run (`compile_supported`) it decodes eagerly and says why. `max_length`: the longest
+    request (prompt + new tokens); `k`: the most draft tokens a round."""
+    from eval.metrics import measure_costs
+    from eval.packed import packed_linears
+
+    if mode not in MODES:
+        raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "off":
+        return Decoders(target, draft, compiled=False, requested=mode)
+    device = next(target.parameters()).device
+    reason = compile_supported(device)
+    if reason is not None:
+        if mode == "on":
+            raise RuntimeError(f"compiled decoding cannot run on {device}: {reason}")
+        return Decoders(target, draft, compiled=False, requested=mode, note=f"eager: {reason}")
+    k_max = max(8, k)
+    sizes = dict(max_length=max_length + k_max + 2, max_verify=k_max + 1)
+    target_lm = static_lm(target, vocab_size, None, **sizes)
+    draft_lm = static_lm(draft, vocab_size, draft_vocab, **sizes)
+    seconds = target_lm.warm_up(probe_ids) + draft_lm.warm_up(probe_ids)
+    decoders = Decoders(target_lm, draft_lm, compiled=True, requested=mode, compile_seconds=seconds)
+    if mode == "auto":
+        compiled = measure_costs(target_lm, draft_lm, probe_ids, k_max=k_max)
+        with packed_linears(target), packed_linears(draft):
+            eager = measure_costs(target, draft, probe_ids, k_max=k_max, draft_vocab=draft_vocab)
+        decoders.costs = {"eager": eager.to_dict(), "compiled": compiled.to_dict()}
+        per_step = {name: c.t_draft + c.t_target[1] for name, c in (("eager", eager), ("compiled", compiled))}
+        if per_step["eager"] < per_step["compiled"]:
+            decoders.target, decoders.draft, decoders.compiled = target, draft, False
+        decoders.note = (f"auto: one draft + one target token took {1e3 * per_step['compiled']:.1f} ms compiled, "
+                         f"{1e3 * per_step['eager']:.1f} ms eager")
+    return decoders

@@ -1,0 +1,145 @@
+"""The compiled decoder (eval/compiled.py) on the CPU with tiny models: a static KV cache rolled back by position,
+compiled steps, and the same outputs and statistics as eager decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import StubDraft, make_model, trained_draft
+from eval.compiled import StaticLM, compile_supported, prepare_decoders
+from eval.speculative import CachedLM, Sampling, speculative_decode, vanilla_decode
+
+V = 64
+PROMPTS = [[5, 9, 17, 3], [40, 41, 12, 7, 7, 30, 22], [11]]
+MAX_LENGTH = 64
+
+pytestmark = pytest.mark.skipif(compile_supported(torch.device("cpu")) is not None, reason="torch.compile cannot run here")
+
+
+def static(model, compiled=True, **kwargs):
+    return StaticLM(model, V, max_length=MAX_LENGTH, max_verify=6, compiled=compiled, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = make_model(V, layers=2, seed=0)
+    drafts = {"self": make_model(V, layers=2, seed=0), "random": make_model(V, layers=1, hidden=32, seed=7),
+              "trained": trained_draft(target)}
+    return target, drafts
+
+
+@pytest.fixture(scope="module")
+def lms(models):
+    """Compiled LMs, built once: every test reuses them, each request resets them."""
+    target, drafts = models
+    return static(target), {name: static(draft) for name, draft in drafts.items()}
+
+
+def test_static_cache_logits_equal_a_full_pass_after_rollbacks(models):
+    target, _ = models
+    ids = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
+    full = target(torch.tensor([ids])).logits[0]  # (T, V)
+    for compiled in (False, True):
+        lm = static(target, compiled=compiled)
+        pieces = [lm.forward(ids[:4], keep=4), lm.forward(ids[4:5], keep=1), lm.forward(ids[5:], keep=5)]
+        torch.testing.assert_close(torch.cat(pieces), full, atol=1e-4, rtol=1e-4)
+        lm.crop(6)  # roll back and recompute the same positions over the stale entries
+        torch.testing.assert_close(lm.forward(ids[6:], keep=4), full[6:], atol=1e-4, rtol=1e-4)
+        lm.crop(2)
+        torch.testing.assert_close(lm.forward(ids[2:4], keep=1), full[3:4], atol=1e-4, rtol=1e-4)  # two one-token steps
+        lm.reset()
+        assert lm.length == 0
+        torch.testing.assert_close(lm.forward(ids[:3], keep=3), full[:3], atol=1e-4, rtol=1e-4)
+        with pytest.raises(ValueError, match="static cache"):
+            lm.forward([1] * MAX_LENGTH, keep=1)
+
+
+@pytest.mark.parametrize("which", ["self", "random", "trained"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_compiled_greedy_speculative_equals_vanilla(models, lms, which, k):
+    target, _ = models
+    target_lm, draft_lms = lms
+    for prompt in PROMPTS:
+        eager = vanilla_decode(target, prompt, max_new_tokens=40)
+        vanilla = vanilla_decode(target_lm, prompt, max_new_tokens=40)
+        spec = speculative_decode(target_lm, draft_lms[which], prompt, k=k, max_new_tokens=40)
+        assert vanilla.output_ids == eager.output_ids
+        assert spec.output_ids == vanilla.output_ids and spec.tokens_generated == 40
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compiled_and_eager_decoding_count_the_same(models, lms, temperature):
+    """Same seed, same draws: every per-round statistic (slots, position buckets, beta) matches eager decoding."""
+    target, drafts = models
+    target_lm, draft_lms = lms
+    sampling = Sampling(temperature)
+    for prompt in PROMPTS:
+        args = dict(k=4, max_new_tokens=30, sampling=sampling, confidence=0.3)
+        eager = speculative_decode(target, drafts["trained"], prompt, generator=torch.Generator().manual_seed(3), **args)
+        compiled = speculative_decode(target_lm, draft_lms["trained"], prompt, generator=torch.Generator().manual_seed(3), **args)
+        assert compiled.output_ids == eager.output_ids
+        for key in ("rounds", "total_drafted", "total_accepted", "verified", "slot_reached", "slot_accepted", "slot_rounds",
+                    "bucket_count"):
+            assert getattr(compiled, key) == getattr(eager, key), key
+        assert compiled.beta_sum == pytest.approx(eager.beta_sum, abs=1e-4)
+
+
+def test_compiled_fallback_guardrail_and_restricted_head(models, lms):
+    from eval.draft_vocab import restricted_head
+
+    target, drafts = models
+    target_lm, _ = lms
+    vanilla = vanilla_decode(target_lm, PROMPTS[0], max_new_tokens=40)
+    never = next(t for t in range(V) if t not in vanilla.output_ids)
+    stub = static(StubDraft(target, never))
+    spec = speculative_decode(target_lm, stub, PROMPTS[0], k=3, max_new_tokens=40, fallback_window=10, fallback_threshold=0.4)
+    assert spec.fallback_triggered and spec.fallback_at == 10 and spec.output_ids == vanilla.output_ids
+
+    ids = list(range(0, V, 2))
+    sub = torch.tensor(ids)
+    draft = drafts["trained"]
+    with restricted_head(draft, ids):
+        lm = static(draft, token_ids=sub)
+        for prompt in PROMPTS:
+            out = speculative_decode(target_lm, lm, prompt, k=3, max_new_tokens=30)
+            assert out.output_ids == vanilla_decode(target, prompt, max_new_tokens=30).output_ids
+        row = lm.forward([3, 4, 5], keep=1)[0]
+    assert torch.isinf(row).sum() == V - len(ids)
+
+
+def test_one_lm_cannot_be_both_target_and_draft(lms):
+    target_lm, _ = lms
+    with pytest.raises(ValueError, match="cache each"):
+        speculative_decode(target_lm, target_lm, PROMPTS[0], k=2, max_new_tokens=4)
+
+
+def test_prepare_decoders_modes(models):
+    target, drafts = models
+    kwargs = dict(vocab_size=V, draft_vocab=None, probe_ids=PROMPTS[1], max_length=40, k=3)
+    off = prepare_decoders(target, drafts["random"], "off", **kwargs)
+    assert not off.compiled and off.target is target
+    on = prepare_decoders(target, drafts["random"], "on", **kwargs)
+    assert on.compiled and isinstance(on.target, StaticLM) and on.compile_seconds > 0
+    again = prepare_decoders(target, drafts["random"], "on", **kwargs)
+    assert again.target is on.target  # compiled once per process
+    auto = prepare_decoders(target, drafts["random"], "auto", **kwargs)
+    assert set(auto.costs) == {"eager", "compiled"} and "auto:" in auto.note
+    faster = min(auto.costs, key=lambda m: auto.costs[m]["t_draft_ms"] + auto.costs[m]["t_target_ms"]["1"])
+    assert auto.compiled == (faster == "compiled") and isinstance(auto.target, CachedLM) == auto.compiled
+    with pytest.raises(ValueError, match="compile must be one of"):
+        prepare_decoders(target, drafts["random"], "yes", **kwargs)
+
+
+def test_eval_command_with_compile_on(tmp_path, tiny_target_dir, tiny_draft_dir, capsys):
+    from eval.__main__ import main as eval_main
+
+    out = tmp_path / "out"
+    eval_main(["--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--num-prompts", "2", "--k", "3",
+               "--temperatures", "0,1", "--max-new-tokens", "12", "--out", str(out), "--quiet", "--no-plots", "--compile", "on"])
+    assert "decoder: compiled (eval.compile=on, compiling took" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["decoder"]["mode"] == "compiled" and report["decoder"]["compile_seconds"] > 0
+    assert report["greedy_identical_to_vanilla"] == 1.0 and set(report["costs"]["t_target_ms"]) >= {"1", "4", "9"}
