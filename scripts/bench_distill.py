@@ -63,7 +63,9 @@ class PeakRSS:
 
 def one_config(args) -> dict:
     """Run warm-up + timed steps of one configuration in this process; return its measurements."""
-    from train.distill import DraftVocab, Example, batch_losses, collate
+    from train.batches import Example, collate
+    from train.distill import batch_losses
+    from train.draft_vocab import DraftVocab
     from train.models import draft_from_layers, load_model
     from train.recipe import parse_recipe
 

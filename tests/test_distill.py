@@ -30,7 +30,8 @@ def write_recipe(tmp_path, target_dir, run_dir, stages=("generate", "distill"), 
               "target": {"model": str(target_dir)}, "draft": {"layers": [0]}, "data": {"max_prompts": 16},
               "generate": {"temperatures": [0.0, 1.0], "max_new_tokens": 12, "batch_size": 8, "topk_logprobs": 8},
               "distill": settings,
-              "eval": eval_ or {"k": 2, "temperatures": [0.0, 1.0], "max_new_tokens": 10, "num_prompts": 2},
+              # eager decoding: compiling tiny models would cost more than the runs (tests/test_compiled.py covers it)
+              "eval": {"compile": "off", **(eval_ or {"k": 2, "temperatures": [0.0, 1.0], "max_new_tokens": 10, "num_prompts": 2})},
               "tracking": {"report_to": tracking}}
     path = tmp_path / f"{run_dir.name}.yaml"
     path.write_text(json.dumps(recipe))
@@ -262,21 +263,24 @@ def test_cached_signal_and_on_policy_runs(tmp_path, generated, tiny_target_dir):
     assert all(r["train/on_policy"] == 1.0 and "train/sequence_ce" not in r for r in log)
 
 
-def test_cached_target_logits_are_distributions_with_the_stored_top_k():
-    from train.distill import Example, cached_target_logits, collate
+def test_cached_target_rows_are_distributions_with_the_stored_top_k():
+    from train.batches import Example, collate
+    from train.target_signal import target_rows
 
     vocab, k = 50, 4
-    ex = Example(ids=[5, 6, 7, 8, 9], start=2, row=0)
-    batch = collate([ex], pad_id=0)
-    ids = [[1, 2, 3, 4], [4, 3, 2, 1], [9, 8, 7, 6]]
-    lp = torch.log_softmax(torch.randn(3, 10), -1).topk(k, dim=-1).values.tolist()
-    out = cached_target_logits(batch, [ids], [lp], vocab, torch.float32)  # (1, 3, V): positions 1..3
-    assert batch.first == 1 and out.shape == (1, 3, vocab)
-    rows = out[0]  # positions 1..3 predict completion tokens 7, 8, 9
-    torch.testing.assert_close(rows.exp().sum(-1), torch.ones(3))
-    for j in range(3):
-        torch.testing.assert_close(rows[j, ids[j]], torch.tensor(lp[j]))
-    assert batch.loss_mask.tolist() == [[0, 1, 1, 1]]
+    batch = collate([Example(ids=[5, 6, 7, 8, 9], start=2, row=0), Example(ids=[1, 2, 3, 4], start=3, row=1)], pad_id=0)
+    ids = [[[1, 2, 3, 4], [4, 3, 2, 1], [9, 8, 7, 6]], [[7, 6, 5, 4]]]
+    lp = [torch.log_softmax(torch.randn(n, 10), -1).topk(k, dim=-1).values.tolist() for n in (3, 1)]
+    keep = batch.loss_mask[:, batch.first:].bool()
+    assert batch.first == 1 and keep.sum() == 4  # positions 1..3 of the first example, 2 of the second
+    rows, size = target_rows("cached", target=None, batch=batch, keep=keep, device="cpu", vocab=vocab, restrict=None,
+                             cached=(ids, lp))
+    out = rows(0, 4)[0]  # (4, V), example by example, position by position
+    assert size == vocab and out.shape == (4, vocab)
+    torch.testing.assert_close(out.exp().sum(-1), torch.ones(4))
+    for j, (r, i) in enumerate([(0, 0), (0, 1), (0, 2), (1, 0)]):
+        torch.testing.assert_close(out[j, ids[r][i]], torch.tensor(lp[r][i]))
+    torch.testing.assert_close(rows(1, 3)[0], out[1:3])  # a chunk is the same rows
 
 
 @pytest.mark.parametrize("signal,on_policy", [("online", False), ("cached", False), ("cached", True)])
@@ -289,7 +293,9 @@ def test_fused_head_losses_equal_the_plain_path(signal, on_policy, losses, freez
     padded past the target's, as Qwen2.5's are. Also with a reduced draft vocabulary (every other token)."""
     from conftest import make_model
     from train import losses as L
-    from train.distill import DraftVocab, Example, batch_losses, collate
+    from train.batches import Example, collate
+    from train.distill import batch_losses
+    from train.draft_vocab import DraftVocab
     from train.recipe import parse_recipe
 
     fused_calls = []
@@ -333,7 +339,10 @@ def test_losses_over_a_draft_vocabulary_are_the_restricted_distributions():
     """With a reduced draft vocabulary both sides are renormalised over its tokens, and a label outside it is
     no sequence_ce target; the cached top-k rows are the full rows' columns."""
     from conftest import make_model
-    from train.distill import DraftVocab, Example, batch_losses, collate, topk_to_logprobs
+    from train.batches import Example, collate
+    from train.distill import batch_losses
+    from train.draft_vocab import DraftVocab
+    from train.target_signal import topk_to_logprobs
     from train.recipe import parse_recipe
 
     V = 30
@@ -369,7 +378,7 @@ def test_draft_vocabulary_keeps_the_most_probable_tokens_and_eos():
 
 
 def test_data_order_covers_every_example_once_per_epoch():
-    from train.distill import step_indices
+    from train.batches import step_indices
 
     seen = [i for s in range(5) for i in step_indices(10, s, 4, seed=0)]  # 20 = two epochs
     assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))

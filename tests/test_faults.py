@@ -17,7 +17,8 @@ import pytest
 from conftest import ROOT
 from test_distill import assert_weights_close, prepared, run_train, steps_logged, weights, write_recipe
 from test_distill import generated  # noqa: F401 - the shared generate-stage fixture
-from train.distill import checkpoint_problem, step_indices
+from train.batches import step_indices
+from train.checkpoints import checkpoint_problem
 
 KW = dict(max_steps=6, checkpoint_every=2)
 

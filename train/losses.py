@@ -8,7 +8,9 @@ float32 copies of both models' full-vocabulary logits exist for one chunk at a t
 gradient are the same. `fused_head_loss` goes one step further for the distill loop: it runs the
 draft's output head chunk by chunk too, so the draft's (B, T, V) logits never exist at all.
 
-p_target = softmax(target_logits / temperature), p_draft = softmax(draft_logits / temperature).
+Notation, as in the decoder: p = softmax(target_logits / temperature) is the target's distribution,
+q = softmax(draft_logits / temperature) the draft's; each divergence is one class below (`ForwardKL`, ...)
+holding its per-position value and its gradient side by side.
 """
 
 from __future__ import annotations
@@ -21,34 +23,74 @@ import torch
 import torch.nn.functional as F
 
 
-def _xlogy_diff(p: torch.Tensor, log_p: torch.Tensor, log_other: torch.Tensor) -> torch.Tensor:
-    """sum_x p (log p - log other) with 0 log 0 = 0; (..., V) -> (...)."""
-    return torch.where(p > 0, p * (log_p - log_other), torch.zeros_like(p)).sum(-1)
+def _xlogy_diff(a: torch.Tensor, log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """sum_x a (log a - log b) with 0 log 0 = 0; (..., V) -> (...)."""
+    return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a)).sum(-1)
 
 
-def _forward_kl(log_p_draft, log_p_target, **_):
-    # KL(p_target || p_draft) = sum_x p_target (log p_target - log p_draft)
-    return _xlogy_diff(log_p_target.exp(), log_p_target, log_p_draft)
+def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    """log m, m = beta p + (1 - beta) q, in log space (beta = 0 or 1 leave one side out)."""
+    return torch.logaddexp(log_p + math.log(beta) if beta > 0 else torch.full_like(log_p, -math.inf),
+                           log_q + math.log(1 - beta) if beta < 1 else torch.full_like(log_q, -math.inf))
 
 
-def _reverse_kl(log_p_draft, log_p_target, **_):
-    # KL(p_draft || p_target): mode-seeking (GKD, Agarwal et al. 2024; MiniLLM, Gu et al. 2024)
-    return _xlogy_diff(log_p_draft.exp(), log_p_draft, log_p_target)
+# Each divergence D(p, q) between the target's p and the draft's q at one position, (..., V) -> (...), beside its
+# gradient with respect to the draft's logits z (q = softmax(z / T)), times T. Where D is written through a
+# "score" g, that gradient is q (g - sum_x q g): the chain rule through the softmax.
 
 
-def _jsd(log_p_draft, log_p_target, beta: float = 0.5, **_):
-    # Generalised JSD (GKD eq. 3): beta KL(p_target || m) + (1 - beta) KL(p_draft || m),
-    # m = beta p_target + (1 - beta) p_draft, computed in log space.
-    beta_t = torch.tensor(beta, dtype=log_p_target.dtype, device=log_p_target.device)
-    log_m = torch.logsumexp(torch.stack([log_p_target + beta_t.log(), log_p_draft + (1 - beta_t).log()]), dim=0)
-    return beta * _xlogy_diff(log_p_target.exp(), log_p_target, log_m) + (1 - beta) * _xlogy_diff(
-        log_p_draft.exp(), log_p_draft, log_m
-    )
+class ForwardKL:
+    """KL(p || q) = sum_x p log(p / q): mean-seeking, sequence-level KD's token-level twin (Hinton et al. 2015)."""
+
+    @staticmethod
+    def value(log_p, log_q, p, q, **_):
+        return (log_p - log_q).mul_(p).masked_fill_(p == 0, 0.0).sum(-1)
+
+    @staticmethod
+    def grad(log_p, log_q, p, q, **_):
+        return q - p  # d/dz sum_x p (log p - log q) = q - p
 
 
-def _tvd(log_p_draft, log_p_target, **_):
-    # TV = 1/2 sum_x |p_target - p_draft| = 1 - alpha: minimising it maximises the acceptance rate directly
-    return 0.5 * (log_p_target.exp() - log_p_draft.exp()).abs().sum(-1)
+class ReverseKL:
+    """KL(q || p) = sum_x q log(q / p): mode-seeking (GKD, Agarwal et al. 2024; MiniLLM, Gu et al. 2024)."""
+
+    @staticmethod
+    def value(log_p, log_q, p, q, **_):
+        return _xlogy_diff(q, log_q, log_p)
+
+    @staticmethod
+    def score(log_p, log_q, p, q, **_):
+        return log_q - log_p  # d/dq_x: log(q_x / p_x) + 1, the constant cancels against sum_x q
+
+
+class JSD:
+    """Generalised JSD (GKD, Agarwal et al. 2024, eq. 3): beta KL(p || m) + (1 - beta) KL(q || m),
+    m = beta p + (1 - beta) q. beta = 0.5 is the symmetric Jensen-Shannon divergence."""
+
+    @staticmethod
+    def value(log_p, log_q, p, q, beta=0.5, **_):
+        log_m = _log_mixture(log_p, log_q, beta)
+        return beta * _xlogy_diff(p, log_p, log_m) + (1 - beta) * _xlogy_diff(q, log_q, log_m)
+
+    @staticmethod
+    def score(log_p, log_q, p, q, beta=0.5, **_):
+        return (1 - beta) * (log_q - _log_mixture(log_p, log_q, beta))  # the other terms of d/dq_x cancel
+
+
+class TVD:
+    """Total variation 1/2 sum_x |p - q| = 1 - alpha, the acceptance probability's complement (Leviathan et al.
+    2023, Corollary 3.6): minimising it maximises acceptance directly."""
+
+    @staticmethod
+    def value(log_p, log_q, p, q, **_):
+        return 0.5 * (p - q).abs().sum(-1)
+
+    @staticmethod
+    def score(log_p, log_q, p, q, **_):
+        return 0.5 * torch.sign(q - p)
+
+
+DIVERGENCE_MATH = {"forward_kl": ForwardKL, "reverse_kl": ReverseKL, "jsd": JSD, "tvd": TVD}
 
 
 def _reduce(per_position_sum: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -70,28 +112,6 @@ def _chunked_sum(chunk_sum: Callable, tensors: tuple, chunk_size: int) -> torch.
     return total
 
 
-# Closed-form gradients of each per-position loss with respect to the draft's log-probabilities'
-# "score" g, where dL/dz_j = (1/T) q_j (g_j - sum_i q_i g_i) for draft logits z, q = softmax(z / T).
-# forward_kl is simpler: dL/dz = (q - p) / T (its g would be -p/q).
-def _score_reverse_kl(log_q, log_p, q, p, **_):
-    return log_q - log_p
-
-
-def _score_tvd(log_q, log_p, q, p, **_):
-    return 0.5 * torch.sign(q - p)
-
-
-def _score_jsd(log_q, log_p, q, p, beta=0.5, **_):
-    # d/dq_i [beta KL(p||m) + (1-beta) KL(q||m)] = (1-beta) log(q_i / m_i): the other terms cancel
-    log_m = torch.logaddexp(log_p + math.log(beta) if beta > 0 else torch.full_like(log_p, -math.inf),
-                            log_q + math.log(1 - beta) if beta < 1 else torch.full_like(log_q, -math.inf))
-    return (1 - beta) * (log_q - log_m)
-
-
-SCORES = {"reverse_kl": _score_reverse_kl, "tvd": _score_tvd, "jsd": _score_jsd}
-PER_TOKEN = {"forward_kl": _forward_kl, "reverse_kl": _reverse_kl, "jsd": _jsd, "tvd": _tvd}
-
-
 def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """float32 logits / temperature, without a copy when there is nothing to change."""
     logits = logits.float()
@@ -103,21 +123,17 @@ def divergence_value_and_grad(name: str, d, t, m, *, temperature: float = 1.0, *
     """Sum over positions of divergence `name` and its gradient with respect to the draft logits `d`.
 
     `d`, `t` (B, C, V) draft and target logits, `m` (B, C) mask -> (value (), gradient (B, C, V) float32).
-    Written to hold few (B, C, V) float32 buffers at once (in-place where a buffer is done with).
     """
+    math_ = DIVERGENCE_MATH[name]
     log_q = F.log_softmax(_tempered(d, temperature), dim=-1)
     log_p = F.log_softmax(_tempered(t, temperature), dim=-1)
+    p, q = log_p.exp(), log_q.exp()
     m = m.float()
-    if name == "forward_kl":
-        p = log_p.exp()
-        terms = (log_p - log_q).mul_(p).masked_fill_(p == 0, 0.0)  # p (log p - log q), 0 log 0 = 0
-        value = (terms.sum(-1) * m).sum()
-        del terms, log_p
-        g = log_q.exp_().sub_(p)  # dL/dz = (q - p) / T
+    value = (math_.value(log_p, log_q, p, q, **kw) * m).sum()
+    if hasattr(math_, "grad"):
+        g = math_.grad(log_p, log_q, p, q, **kw)
     else:
-        value = (PER_TOKEN[name](log_q, log_p, **kw) * m).sum()
-        q, p = log_q.exp(), log_p.exp()
-        score = SCORES[name](log_q, log_p, q, p, **kw)
+        score = math_.score(log_p, log_q, p, q, **kw)
         g = q.mul_(score.sub_((q * score).sum(-1, keepdim=True)))
     return value, g.mul_(m[..., None] / temperature)
 
@@ -210,7 +226,7 @@ def _divergence(name: str, draft_logits, target_logits, mask, temperature, reduc
     def chunk_sum(d, t, m):  # (B, C, V), (B, C, V), (B, C) -> ()
         log_q = F.log_softmax(d.float() / temperature, dim=-1)
         log_p = F.log_softmax(t.float() / temperature, dim=-1)
-        return (PER_TOKEN[name](log_q, log_p, **kw) * m.float()).sum()
+        return (DIVERGENCE_MATH[name].value(log_p, log_q, log_p.exp(), log_q.exp(), **kw) * m.float()).sum()
 
     if chunk_size > 0 and torch.is_grad_enabled() and draft_logits.requires_grad:
         loss_and_grad = functools.partial(divergence_value_and_grad, name, temperature=temperature, **kw)
@@ -221,24 +237,24 @@ def _divergence(name: str, draft_logits, target_logits, mask, temperature, reduc
 
 
 def forward_kl(draft_logits, target_logits, mask=None, *, temperature=1.0, reduction="mean", chunk_size=0):
-    """KL(p_target || p_draft) = sum_x p_target(x) log(p_target(x) / p_draft(x)), per position."""
+    """`ForwardKL` per position, KL(p || q), masked and reduced."""
     return _divergence("forward_kl", draft_logits, target_logits, mask, temperature, reduction, chunk_size)
 
 
 def reverse_kl(draft_logits, target_logits, mask=None, *, temperature=1.0, reduction="mean", chunk_size=0):
-    """KL(p_draft || p_target) = sum_x p_draft(x) log(p_draft(x) / p_target(x)), per position."""
+    """`ReverseKL` per position, KL(q || p), masked and reduced."""
     return _divergence("reverse_kl", draft_logits, target_logits, mask, temperature, reduction, chunk_size)
 
 
 def jsd(draft_logits, target_logits, mask=None, *, beta=0.5, temperature=1.0, reduction="mean", chunk_size=0):
-    """beta KL(p_target || m) + (1 - beta) KL(p_draft || m), m = beta p_target + (1 - beta) p_draft (GKD)."""
+    """`JSD` per position, beta KL(p || m) + (1 - beta) KL(q || m), masked and reduced."""
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     return _divergence("jsd", draft_logits, target_logits, mask, temperature, reduction, chunk_size, beta=beta)
 
 
 def tvd(draft_logits, target_logits, mask=None, *, temperature=1.0, reduction="mean", chunk_size=0):
-    """1/2 sum_x |p_target(x) - p_draft(x)| = 1 - alpha (the per-position acceptance probability)."""
+    """`TVD` per position, 1/2 sum_x |p - q| = 1 - alpha, masked and reduced."""
     return _divergence("tvd", draft_logits, target_logits, mask, temperature, reduction, chunk_size)
 
 

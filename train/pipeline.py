@@ -50,7 +50,7 @@ def _wandb_offline_unless_logged_in() -> None:
 
 
 def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
-    from train.distill import make_accelerator, zero_stage
+    from train.dist import make_accelerator, zero_stage
 
     if recipe.tracking.report_to == "wandb":
         _wandb_offline_unless_logged_in()
@@ -182,7 +182,7 @@ def _wandb_tracker(accelerator):
 def _eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir):
     """Measure every checkpoint not yet measured (or the draft as built when there is none); print the summary."""
     from eval.stage import run_eval_stage, summarize, summary_table
-    from train.distill import list_checkpoints
+    from train.checkpoints import list_checkpoints
 
     checkpoints = list_checkpoints(run_dir)
     if not checkpoints:  # the draft as built, over the run's draft vocabulary once one was chosen
