@@ -48,7 +48,7 @@ def build_draft_vocab(topk_ids_rows, topk_logprobs_rows, size: int, vocab: int, 
 
 
 def save_draft_vocab(directory: str | Path, ids: list[int], **meta) -> Path:
-    from train.fsutil import atomic_write_json
+    from eval.fsutil import atomic_write_json
 
     path = Path(directory) / FILENAME
     atomic_write_json(path, {"size": len(ids), **meta, "ids": ids})

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from eval.metrics import Costs, predicted_speedup, theory_k  # noqa: E402
-from eval.report import EvalSettings  # noqa: E402
+from eval.settings import EvalSettings  # noqa: E402
 
 
 def _save(fig, path: Path) -> str:

@@ -8,7 +8,6 @@ aggregates per temperature and per domain (see eval/metrics.py for the conventio
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,43 +18,10 @@ from eval.draft_vocab import restricted_head
 from eval.metrics import (CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, per_token_speedup, predicted_speedup,
                           theory_k)
 from eval.packed import packed_linears
+from eval.settings import EvalSettings
 from eval.speculative import Sampling, speculative_decode, vanilla_decode
-from train.fsutil import atomic_write_json, atomic_write_text
-from train.prompts import Prompt, encode_prompt
-
-
-@dataclass
-class EvalSettings:
-    k: int = 4
-    temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
-    max_new_tokens: int = 128
-    top_k: int = 0
-    top_p: float = 1.0
-    fallback_window: int = 100
-    fallback_threshold: float = 0.4
-    draft_confidence: float = 0.0
-    """> 0: dynamic draft length, `k` a cap (`speculative_decode`'s `confidence`)."""
-    max_prompt_tokens: int = 512
-    seed: int = 0
-    compile: str = "off"
-    """`on`: a static KV cache and compiled steps (eval/compiled.py); `off`: eager; `auto`: the faster here."""
-
-    @property
-    def fixed_k(self) -> int | None:
-        """The draft length of every round, or None when it is dynamic."""
-        return None if self.draft_confidence > 0 else self.k
-
-    @classmethod
-    def from_recipe(cls, section, seed: int = 0, max_prompt_tokens: int = 512) -> "EvalSettings":
-        return cls(k=section.k, temperatures=tuple(section.temperatures), max_new_tokens=section.max_new_tokens,
-                   top_k=section.top_k, top_p=section.top_p, fallback_window=section.fallback_window,
-                   fallback_threshold=section.fallback_threshold, draft_confidence=section.draft_confidence,
-                   max_prompt_tokens=max_prompt_tokens, seed=seed, compile=section.compile)
-
-    @classmethod
-    def of_report(cls, report: dict) -> "EvalSettings":
-        """The settings a report was measured with (its `settings`; a key older reports lack takes its default)."""
-        return cls(**{**report["settings"], "temperatures": tuple(report["settings"]["temperatures"])})
+from eval.fsutil import atomic_write_json, atomic_write_text
+from eval.prompts import Prompt, encode_prompt
 
 
 def eos_ids(tokenizer, model) -> list[int]:
@@ -118,17 +84,20 @@ def evaluate_pair(
     progress: bool = True,
     plots: bool = True,
     draft_vocab: list[int] | None = None,
+    seed: int = 0,
+    max_prompt_tokens: int = 512,
 ) -> dict:
     """Decode every prompt at every temperature with and without the draft; return (and write) the report.
 
     `draft_vocab`: token ids the draft's head is restricted to (`eval.draft_vocab`); None: its full head.
+    `seed`: every request's sampling seed derives from it; `max_prompt_tokens`: longer prompts keep their end.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate")
     pair = f"{target_name} <- {draft_name}"
     eos = eos_ids(tokenizer, target)
     vocab = len(tokenizer)
-    encoded = [encode_prompt(tokenizer, p, settings.max_prompt_tokens) for p in prompts]
+    encoded = [encode_prompt(tokenizer, p, max_prompt_tokens) for p in prompts]
 
     device = next(target.parameters()).device
     sub_ids = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long, device=device)
@@ -138,10 +107,11 @@ def evaluate_pair(
         eager = not decoders.compiled
         with packed_linears(target, enabled=eager), packed_linears(draft, enabled=eager):
             records, costs = _decode_all(decoders.target, decoders.draft, prompts, encoded, settings, pair, eos, vocab, sub_ids,
-                                         device, progress)
+                                         device, progress, seed)
 
     report = build_report(records, costs, settings, target_name=target_name, draft_name=draft_name,
                           device=str(device), dtype=str(next(target.parameters()).dtype))
+    report["settings"] |= {"seed": seed, "max_prompt_tokens": max_prompt_tokens}
     report["draft_vocab_size"] = None if draft_vocab is None else len(draft_vocab)
     report["decoder"] = decoders.to_dict()
     if out_dir is not None:
@@ -150,7 +120,7 @@ def evaluate_pair(
 
 
 def _decode_all(target, draft, prompts, encoded, settings: EvalSettings, pair: str, eos, vocab: int, sub_ids, device,
-                progress: bool):
+                progress: bool, seed: int):
     """Every prompt at every temperature, vanilla then speculative; (records, measured costs)."""
     # Warm both models up (first calls allocate), then measure the costs on a real prompt.
     speculative_decode(target, draft, encoded[0], k=settings.k, max_new_tokens=4, vocab_size=vocab, draft_vocab=sub_ids)
@@ -160,11 +130,11 @@ def _decode_all(target, draft, prompts, encoded, settings: EvalSettings, pair: s
     for t_index, temperature in enumerate(settings.temperatures):
         sampling = Sampling(temperature, settings.top_k, settings.top_p)
         for p_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
-            seed = settings.seed * 1_000_003 + t_index * 10_007 + p_index
+            request_seed = seed * 1_000_003 + t_index * 10_007 + p_index
             common = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=eos, vocab_size=vocab)
-            vanilla = vanilla_decode(target, ids, generator=torch.Generator(device).manual_seed(seed), **common)
+            vanilla = vanilla_decode(target, ids, generator=torch.Generator(device).manual_seed(request_seed), **common)
             spec = speculative_decode(
-                target, draft, ids, k=settings.k, generator=torch.Generator(device).manual_seed(seed),
+                target, draft, ids, k=settings.k, generator=torch.Generator(device).manual_seed(request_seed),
                 fallback_window=settings.fallback_window, fallback_threshold=settings.fallback_threshold,
                 draft_vocab=sub_ids, confidence=settings.draft_confidence, **common,
             )
@@ -185,7 +155,7 @@ def build_report(records: list[dict], costs, settings: EvalSettings, *, target_n
     greedy = [r for r in records if r["temperature"] == 0]
     return {
         "pair": {"target": target_name, "draft": draft_name},
-        "settings": {**settings.__dict__, "temperatures": list(settings.temperatures)},
+        "settings": settings.to_dict(),
         "device": device,
         "dtype": dtype,
         "conventions": CONVENTIONS,

@@ -141,6 +141,16 @@ def as_lm(model_or_lm, vocab_size: int, token_ids: torch.Tensor | None = None) -
     return CachedLM(model_or_lm, vocab_size, token_ids)
 
 
+class Ratio:
+    """A read-only attribute: one count of the object over another, None when nothing was counted."""
+
+    def __init__(self, num: str, den: str):
+        self.num, self.den = num, den
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else ratio(getattr(obj, self.num), getattr(obj, self.den))
+
+
 @dataclass
 class DecodeResult:
     """One request decoded; counts follow the design handbook's metric conventions."""
@@ -170,21 +180,12 @@ class DecodeResult:
     def tokens_generated(self) -> int:
         return len(self.output_ids)
 
-    @property
-    def alpha(self) -> float | None:
-        return ratio(self.beta_sum, self.verified)
-
-    @property
-    def alpha_empirical(self) -> float | None:
-        return ratio(self.total_accepted, self.verified)
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return ratio(self.total_accepted, self.total_drafted)
-
-    @property
-    def tau(self) -> float | None:
-        return ratio(self.tokens_generated, self.rounds)
+    alpha = Ratio("beta_sum", "verified")
+    """Mean beta over verified positions (the design handbook's alpha)."""
+    alpha_empirical = Ratio("total_accepted", "verified")
+    acceptance_rate = Ratio("total_accepted", "total_drafted")
+    tau = Ratio("tokens_generated", "rounds")
+    """Tokens per target forward pass, the target's own token included."""
 
     def record_round(self, generated: int, drafted: int, accepted: int, beta: torch.Tensor) -> list[int]:
         """Count one verified round whose first drafted token lands at position `generated`; returns the
@@ -360,18 +361,26 @@ def vanilla_decode(
 
     `target`: a model, or a `CachedLM` (e.g. `eval.compiled.StaticLM`) to decode with."""
     target = as_lm(target, vocab_size or (None if isinstance(target, CachedLM) else output_vocab_size(target)))
-    eos = set(eos_token_ids)
+    eos, result, tokens, stopped = set(eos_token_ids), DecodeResult([], 0.0), list(prompt_ids), False
+    start = _start(target, prompt_ids)
+    while not stopped and len(tokens) - len(prompt_ids) < max_new_tokens:
+        stopped = _finish(tokens, [_target_step(target, tokens, sampling, generator)], eos)
+        result.rounds += 1
+    return _done(result, target, tokens[len(prompt_ids):], start, stopped)
+
+
+def _start(target: CachedLM, prompt_ids: list[int]) -> float:
+    """The request's clock starts, and the prompt is cached (the prefill is timed with the request)."""
     _sync(target.device)
     start = time.perf_counter()
     _prefill(target, prompt_ids)
-    tokens = list(prompt_ids)
-    stopped = False
-    rounds = 0
-    while not stopped and len(tokens) - len(prompt_ids) < max_new_tokens:
-        stopped = _finish(tokens, [_target_step(target, tokens, sampling, generator)], eos)
-        rounds += 1
+    return start
+
+
+def _done(result: DecodeResult, target: CachedLM, output_ids: list[int], start: float, stopped: bool) -> DecodeResult:
     _sync(target.device)
-    result = DecodeResult(tokens[len(prompt_ids):], time.perf_counter() - start, rounds=rounds)
+    result.wall_time = time.perf_counter() - start
+    result.output_ids = output_ids
     result.finish_reason = "eos" if stopped else "length"
     return result
 
@@ -419,13 +428,9 @@ def speculative_decode(
     eos = set(eos_token_ids)
     result = DecodeResult([], 0.0, slot_reached=[0] * k, slot_accepted=[0] * k, slot_rounds=[0] * k)
     guard = Guardrail(fallback_window, fallback_threshold)
-    n_prompt = len(prompt_ids)
+    n_prompt, tokens, stopped = len(prompt_ids), list(prompt_ids), False
 
-    _sync(target.device)
-    start = time.perf_counter()
-    _prefill(target, prompt_ids)
-    tokens = list(prompt_ids)
-    stopped = False
+    start = _start(target, prompt_ids)
     while not stopped and (generated := len(tokens) - n_prompt) < max_new_tokens:
         k_round = min(k, max_new_tokens - generated - 1)
         if k_round == 0 or result.fallback_triggered:
@@ -447,8 +452,4 @@ def speculative_decode(
         if guard.tripped(outcomes) and not stopped:
             result.fallback_triggered, result.fallback_at = True, len(tokens) - n_prompt
 
-    _sync(target.device)
-    result.wall_time = time.perf_counter() - start
-    result.output_ids = tokens[n_prompt:]
-    result.finish_reason = "eos" if stopped else "length"
-    return result
+    return _done(result, target, tokens[n_prompt:], start, stopped)

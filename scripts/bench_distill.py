@@ -66,7 +66,8 @@ def one_config(args) -> dict:
     from train.batches import Example, collate
     from train.distill import batch_losses
     from train.draft_vocab import DraftVocab
-    from train.models import draft_from_layers, load_model
+    from eval.models import load_model
+    from train.models import draft_from_layers
     from train.recipe import parse_recipe
 
     torch.manual_seed(0)
@@ -143,7 +144,7 @@ def main():
         return
 
     from eval.report import format_table
-    from train.fsutil import atomic_write_json
+    from eval.fsutil import atomic_write_json
 
     common = ["--target", args.target, "--layers", *map(str, args.layers), "--seq-len", str(args.seq_len),
               "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--topk", str(args.topk),

@@ -27,10 +27,10 @@ from eval.metrics import per_token_speedup  # noqa: E402
 from eval.packed import packed_linears  # noqa: E402
 from eval.report import eos_ids, format_table  # noqa: E402
 from eval.speculative import Sampling, ratio, speculative_decode, vanilla_decode  # noqa: E402
-from train.fsutil import atomic_write_json  # noqa: E402
-from train.models import load_model, load_tokenizer, pick_device  # noqa: E402
-from train.prompts import builtin_prompts, encode_prompt, spread  # noqa: E402
-from train.recipe import DEFAULT_TARGET  # noqa: E402
+from eval.fsutil import atomic_write_json  # noqa: E402
+from eval.models import load_model, load_tokenizer, pick_device  # noqa: E402
+from eval.prompts import builtin_prompts, encode_prompt, spread  # noqa: E402
+from eval.models import DEFAULT_TARGET  # noqa: E402
 
 
 def _configs(text: str) -> list[tuple[int, float]]:

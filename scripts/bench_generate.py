@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eval.packed import packed_linears  # noqa: E402
 from eval.report import format_table  # noqa: E402
-from train.fsutil import atomic_write_json  # noqa: E402
-from train.generate import Row, generate_batch  # noqa: E402
-from train.models import load_model, load_tokenizer  # noqa: E402
-from train.prompts import builtin_prompts, encode_prompt, spread  # noqa: E402
+from eval.fsutil import atomic_write_json  # noqa: E402
+from train.completions import Row, generate_batch  # noqa: E402
+from eval.models import load_model, load_tokenizer  # noqa: E402
+from eval.prompts import builtin_prompts, encode_prompt, spread  # noqa: E402
 from train.recipe import DEFAULT_TARGET, GenerateSection  # noqa: E402
 
 

@@ -32,7 +32,7 @@ stamp() { date +%s.%N; }
 t0=$(stamp)
 # 1. The default recipe, fewer steps, on the GPU (the recipe picks cuda when there is one).
 "$py" -m train recipes/default.yaml "target.model=$target" "output_dir=$out/run" tracking.report_to=none \
-  "distill.max_steps=$steps" "distill.checkpoint_every=$steps" "eval.num_prompts=$prompts" eval.compile=auto \
+  "distill.max_steps=$steps" "distill.checkpoint_every=$steps" generate.batch_size=64 "eval.num_prompts=$prompts" eval.compile=auto \
   2>&1 | tee "$out/train.log" | grep -v -E "it/s|s/it|step/s|s/step|req/s|s/req" || true
 t1=$(stamp)
 # 2. The export measured compiled, in float32 and bfloat16 (vanilla and speculative in the same dtype).

@@ -1,9 +1,9 @@
-"""Regenerate the built-in prompt set: `python scripts/make_prompts.py` writes train/data/prompts.jsonl.
+"""Regenerate the built-in prompt set: `python scripts/make_prompts.py` writes eval/data/prompts.jsonl.
 
 Prompts come from templates over five domains (code, math, json, prose, chat), seeded, so the
 file is reproducible. Each prompt records its family (the template it was written from); the
 held-out split is whole families (HELD_OUT_FAMILIES), so no template is on both sides. These are
-template siblings all the same: the independent set (train/data/independent.jsonl, written by hand)
+template siblings all the same: the independent set (eval/data/independent.jsonl, written by hand)
 is what the default eval measures.
 """
 
@@ -111,7 +111,7 @@ def main():
     for entity, fields in ENTITIES:
         for n in (1, 3):
             add("json", len(JSON_FORMS), f"Output {n} JSON object(s) for {entity}; keys: {fields}. No prose.")
-    out = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts.jsonl"
+    out = Path(__file__).resolve().parents[1] / "eval" / "data" / "prompts.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {len(rows)} prompts to {out}")
 

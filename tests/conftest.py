@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -125,3 +129,78 @@ def _no_inherited_wandb_service():
     would attach to that service, which may be gone by then. Every test starts without it."""
     os.environ.pop("WANDB_SERVICE", None)
     yield
+
+
+# ---------------------------------------------------------------------------- runs of the real commands (subprocesses)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rows_of(run_dir):
+    """A run's generated rows, order-free: the dataset as sorted JSON lines."""
+    from train.generate import load_generated
+
+    return sorted(json.dumps(r, sort_keys=True) for r in load_generated(run_dir).to_list())
+
+
+def write_distill_recipe(tmp_path, target_dir, run_dir, stages=("generate", "distill"), tracking="none", eval_=None, **distill):
+    settings = {"losses": {"reverse_kl": 1.0, "sequence_ce": 0.1}, "max_steps": 6, "batch_size": 2, "grad_accum": 2,
+                "checkpoint_every": 3, "lr": 3e-3, "warmup_steps": 1, "loss_chunk_size": 4,
+                # float32 on every CPU (auto picks bf16 on one with avx512_bf16): the comparisons below need it
+                "mixed_precision": "no", **distill}
+    recipe = {"name": "distill", "output_dir": str(run_dir), "seed": 1, "stages": list(stages),
+              "target": {"model": str(target_dir)}, "draft": {"layers": [0]}, "data": {"max_prompts": 16},
+              "generate": {"temperatures": [0.0, 1.0], "max_new_tokens": 12, "batch_size": 8, "topk_logprobs": 8},
+              "distill": settings,
+              # eager decoding: compiling tiny models would cost more than the runs (tests/test_compiled.py covers it)
+              "eval": {"compile": "off", **(eval_ or {"k": 2, "temperatures": [0.0, 1.0], "max_new_tokens": 10, "num_prompts": 2})},
+              "tracking": {"report_to": tracking}}
+    path = tmp_path / f"{run_dir.name}.yaml"
+    path.write_text(json.dumps(recipe))
+    return path
+
+
+def run_train(recipe, *extra, env=None, launcher=()):
+    return subprocess.run([sys.executable, *launcher, "-m", "train", str(recipe), *extra], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=900)
+
+
+def steps_logged(run_dir):
+    return [json.loads(line) for line in (run_dir / "distill" / "log.jsonl").read_text().splitlines()]
+
+
+def weights(run_dir, step):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(run_dir / f"checkpoint-{step}" / "model.safetensors"))
+    # Tied head: a plain save stores it once, a DeepSpeed-gathered state dict twice.
+    tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
+    return tensors
+
+
+def assert_weights_close(a, b, atol=2e-5):
+    # Adam divides by sqrt(v): float32 summation-order noise in near-zero gradients shows up at ~1e-6.
+    # A missing gradient sync or a wrong normalisation moves weights by ~lr (1e-3), far above this.
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=1e-4, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory, tiny_target_dir):
+    """A generate stage shared by the runs below (copied into each run directory)."""
+    tmp = tmp_path_factory.mktemp("distill-gen")
+    recipe = write_distill_recipe(tmp, tiny_target_dir, tmp / "gen", stages=("generate",))
+    proc = run_train(recipe)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "gen" / "generate"
+
+
+def prepared(tmp_path, generated, name, tiny_target_dir, **kw):
+    run_dir = tmp_path / name
+    shutil.copytree(generated, run_dir / "generate")
+    return run_dir, write_distill_recipe(tmp_path, tiny_target_dir, run_dir, stages=kw.pop("stages", ("distill",)), **kw)

@@ -13,69 +13,11 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import ROOT
-from test_generate import free_port
+from conftest import (ROOT, assert_weights_close, free_port, make_model, prepared, run_train, steps_logged, weights,
+                      write_distill_recipe as write_recipe)
 
 SECRET = "0123456789abcdef0123456789abcdef01234567"
-
-
-def write_recipe(tmp_path, target_dir, run_dir, stages=("generate", "distill"), tracking="none", eval_=None, **distill):
-    settings = {"losses": {"reverse_kl": 1.0, "sequence_ce": 0.1}, "max_steps": 6, "batch_size": 2, "grad_accum": 2,
-                "checkpoint_every": 3, "lr": 3e-3, "warmup_steps": 1, "loss_chunk_size": 4,
-                # float32 on every CPU (auto picks bf16 on one with avx512_bf16): the comparisons below need it
-                "mixed_precision": "no", **distill}
-    recipe = {"name": "distill", "output_dir": str(run_dir), "seed": 1, "stages": list(stages),
-              "target": {"model": str(target_dir)}, "draft": {"layers": [0]}, "data": {"max_prompts": 16},
-              "generate": {"temperatures": [0.0, 1.0], "max_new_tokens": 12, "batch_size": 8, "topk_logprobs": 8},
-              "distill": settings,
-              # eager decoding: compiling tiny models would cost more than the runs (tests/test_compiled.py covers it)
-              "eval": {"compile": "off", **(eval_ or {"k": 2, "temperatures": [0.0, 1.0], "max_new_tokens": 10, "num_prompts": 2})},
-              "tracking": {"report_to": tracking}}
-    path = tmp_path / f"{run_dir.name}.yaml"
-    path.write_text(json.dumps(recipe))
-    return path
-
-
-def run_train(recipe, *extra, env=None, launcher=()):
-    return subprocess.run([sys.executable, *launcher, "-m", "train", str(recipe), *extra], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=900)
-
-
-def steps_logged(run_dir):
-    return [json.loads(line) for line in (run_dir / "distill" / "log.jsonl").read_text().splitlines()]
-
-
-def weights(run_dir, step):
-    tensors = load_file(str(run_dir / f"checkpoint-{step}" / "model.safetensors"))
-    # Tied head: a plain save stores it once, a DeepSpeed-gathered state dict twice.
-    tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
-    return tensors
-
-
-def assert_weights_close(a, b, atol=2e-5):
-    # Adam divides by sqrt(v): float32 summation-order noise in near-zero gradients shows up at ~1e-6.
-    # A missing gradient sync or a wrong normalisation moves weights by ~lr (1e-3), far above this.
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=1e-4, msg=lambda m: f"{key}: {m}")
-
-
-@pytest.fixture(scope="module")
-def generated(tmp_path_factory, tiny_target_dir):
-    """A generate stage shared by the runs below (copied into each run directory)."""
-    tmp = tmp_path_factory.mktemp("distill-gen")
-    recipe = write_recipe(tmp, tiny_target_dir, tmp / "gen", stages=("generate",))
-    proc = run_train(recipe)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp / "gen" / "generate"
-
-
-def prepared(tmp_path, generated, name, tiny_target_dir, **kw):
-    run_dir = tmp_path / name
-    shutil.copytree(generated, run_dir / "generate")
-    return run_dir, write_recipe(tmp_path, tiny_target_dir, run_dir, stages=kw.pop("stages", ("distill",)), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +59,7 @@ def test_checkpoints_hold_a_loadable_draft_and_the_training_state(full_run):
 
 
 def test_every_checkpoint_is_measured_and_the_best_is_chosen_by_speedup(full_run):
-    from eval.stage import score
+    from train.evaluate import score
 
     run_dir, proc = full_run
     summary = json.loads((run_dir / "eval" / "summary.json").read_text())
@@ -196,7 +138,7 @@ def test_accumulation_gives_the_same_training_as_a_bigger_batch(tmp_path, genera
         assert proc.returncode == 0, proc.stderr[-3000:]
     la, lb = steps_logged(a_dir), steps_logged(b_dir)
     assert [r["train/tokens"] for r in la] == [r["train/tokens"] for r in lb]
-    for ra, rb in zip(la, lb):
+    for ra, rb in zip(la, lb, strict=True):
         assert ra["train/loss"] == pytest.approx(rb["train/loss"], rel=1e-5)
     assert_weights_close(weights(a_dir, 6), weights(b_dir, 6))
 
@@ -212,7 +154,7 @@ def test_two_ddp_processes_match_one_process(tmp_path, generated, tiny_target_di
     assert "1 x 2 accumulation x 2 processes" in proc.stderr  # 2 processes really ran, as one group
     state = json.loads((two_dir / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["processes"] == 2 and (two_dir / "checkpoint-6" / "state" / "random_states_1.pkl").is_file()
-    for r1, r2 in zip(steps_logged(one_dir), steps_logged(two_dir)):
+    for r1, r2 in zip(steps_logged(one_dir), steps_logged(two_dir), strict=True):
         assert r1["train/loss"] == pytest.approx(r2["train/loss"], rel=1e-5)
     # Without a gradient all-reduce, rank 0 would train on half the batch: weights off by ~lr, far above this.
     assert_weights_close(weights(one_dir, 6), weights(two_dir, 6))
@@ -242,7 +184,7 @@ def test_resume_after_sigkill_ends_with_the_uninterrupted_weights(tmp_path, gene
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr
     assert [r["step"] for r in steps_logged(run_dir)] == list(range(1, 9))
-    for r1, r2 in zip(steps_logged(whole_dir), steps_logged(run_dir)):
+    for r1, r2 in zip(steps_logged(whole_dir), steps_logged(run_dir), strict=True):
         assert r1["train/loss"] == pytest.approx(r2["train/loss"], rel=1e-5)
     assert_weights_close(weights(whole_dir, 8), weights(run_dir, 8))
     again = run_train(recipe)
@@ -254,7 +196,22 @@ def test_cached_signal_and_on_policy_runs(tmp_path, generated, tiny_target_dir):
                                   checkpoint_every=2)
     proc = run_train(cached)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "target signal cached" in proc.stderr
+    # Proof that the loop learns from the cached top-k and not from the target: the same run with another target
+    # (other weights, same tokenizer) trains identically, while the online signal depends on the target.
+    from eval.models import load_tokenizer
+
+    other = tmp_path / "other-target"
+    make_model(len(load_tokenizer(str(tiny_target_dir))), layers=2, seed=9).save_pretrained(other)
+    load_tokenizer(str(tiny_target_dir)).save_pretrained(other)
+    swapped_dir, swapped = prepared(tmp_path, generated, "swapped", other, target_signal="cached", max_steps=2,
+                                    checkpoint_every=2)
+    online_dir, online = prepared(tmp_path, generated, "online", tiny_target_dir, target_signal="online", max_steps=2,
+                                  checkpoint_every=2)
+    for recipe in (swapped, online):
+        proc = run_train(recipe)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["train/loss"] for r in steps_logged(swapped_dir)] == [r["train/loss"] for r in steps_logged(cached_dir)]
+    assert steps_logged(online_dir)[0]["train/loss"] != steps_logged(cached_dir)[0]["train/loss"]
     policy_dir, policy = prepared(tmp_path, generated, "policy", tiny_target_dir, on_policy_lambda=1.0, max_steps=2,
                                   checkpoint_every=2)
     proc = run_train(policy)
@@ -403,9 +360,9 @@ def test_deepspeed_zero_two_processes_match_one_process(stage, tmp_path, generat
                 "--num_processes", "2", "--main_process_port", str(free_port()))
     proc = run_train(two, launcher=launcher, env={"DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"1 x 2 accumulation x 2 processes" in proc.stderr and f"DeepSpeed ZeRO-{stage}" in proc.stderr
+    assert "1 x 2 accumulation x 2 processes" in proc.stderr and f"DeepSpeed ZeRO-{stage}" in proc.stderr
     assert (two_dir / "checkpoint-6" / "state" / "random_states_1.pkl").is_file()
-    for r1, r2 in zip(steps_logged(one_dir), steps_logged(two_dir)):
+    for r1, r2 in zip(steps_logged(one_dir), steps_logged(two_dir), strict=True):
         assert r1["train/loss"] == pytest.approx(r2["train/loss"], rel=1e-5)
     # ZeRO reduce-scatters the gradients in another order; on the Intel Xeon CI machine one embedding entry in
     # 9,600 landed 4e-5 away after 6 Adam steps. A missing sync or a wrong normalisation is ~lr (3e-3) away.

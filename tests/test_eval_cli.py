@@ -72,7 +72,7 @@ def test_bad_prompt_file_names_file_and_line(tmp_path, tiny_target_dir, capsys):
     code, line = run_eval(["--target", str(tiny_target_dir), "--draft", str(tiny_target_dir), "--temperatures", "0,-1"], capsys)
     assert code == 2 and "temperatures must be >= 0" in line
     code, line = run_eval(["--target", str(tiny_target_dir), "--draft", str(tiny_target_dir), "--draft-confidence", "1"], capsys)
-    assert code == 2 and "must be below 1" in line
+    assert code == 2 and line.endswith("--draft-confidence: must be in [0, 1), got 1.0")
 
 
 def test_eval_with_a_dynamic_draft_length(tmp_path, tiny_target_dir, tiny_draft_dir, capsys):

@@ -14,9 +14,8 @@ import time
 
 import pytest
 
-from conftest import ROOT
-from test_distill import assert_weights_close, prepared, run_train, steps_logged, weights, write_recipe
-from test_distill import generated  # noqa: F401 - the shared generate-stage fixture
+from conftest import (ROOT, assert_weights_close, prepared, rows_of, run_train, steps_logged, weights,
+                      write_distill_recipe as write_recipe)
 from train.batches import step_indices
 from train.checkpoints import checkpoint_problem
 
@@ -178,7 +177,6 @@ def test_kill_during_eval_then_resume_gives_the_same_measurements(tmp_path, gene
 
 
 def test_same_recipe_and_seed_give_the_same_dataset_and_weights(tmp_path, tiny_target_dir):
-    from test_generate import rows_of
 
     dirs = []
     for name in ("first", "second"):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, free_port, rows_of
 from train.generate import load_generated, load_prompts
 from train.recipe import parse_recipe
 
@@ -30,11 +29,6 @@ def write_recipe(tmp_path, target_dir, run_dir, **generate):
 def run_train(recipe, *extra, env=None):
     return subprocess.run([sys.executable, "-m", "train", str(recipe), *extra], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, **(env or {})}, timeout=600)
-
-
-def rows_of(run_dir):
-    ds = load_generated(run_dir)
-    return sorted((json.dumps(r, sort_keys=True) for r in ds.to_list()))
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +58,7 @@ def test_generated_dataset_columns_and_counts(reference, tiny_target_dir):
 
 def test_greedy_rows_equal_unbatched_greedy_decoding(reference, tiny_target_dir):
     from eval.speculative import vanilla_decode
-    from train.models import load_model
+    from eval.models import load_model
 
     target = load_model(str(tiny_target_dir), device="cpu")
     ds = load_generated(reference[0])
@@ -103,12 +97,6 @@ def test_rerun_is_a_no_op_and_kill_then_resume_matches(reference, tmp_path, tiny
     assert rows_of(run_dir) == rows_of(whole_dir)  # no row lost or duplicated
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_write_the_same_dataset(reference, tmp_path, tiny_target_dir):
     run_dir = tmp_path / "ddp"
     recipe = write_recipe(tmp_path, tiny_target_dir, run_dir, topk_logprobs=3)
@@ -143,7 +131,7 @@ def test_prompt_sources_csv_parquet_and_saved_dataset(tmp_path):
 
 
 def test_builtin_split_leaves_no_template_family_on_both_sides():
-    from train.prompts import builtin_prompts
+    from eval.prompts import builtin_prompts
 
     train, held_out = builtin_prompts("train"), builtin_prompts("held_out")
     assert len(train) + len(held_out) == len(builtin_prompts("all")) >= 300
@@ -154,7 +142,7 @@ def test_builtin_split_leaves_no_template_family_on_both_sides():
 
 
 def test_independent_set_is_large_varied_and_shares_nothing_with_the_builtin_set():
-    from train.prompts import builtin_prompts, eval_prompt_set
+    from eval.prompts import builtin_prompts, eval_prompt_set
 
     independent = eval_prompt_set("independent")
     builtin = builtin_prompts("all")

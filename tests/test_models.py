@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 
+import eval.models as loading
 import train.models as models
 from conftest import make_model, make_tokenizer
-from train.errors import UserError
-from train.models import (check_same_tokenizer, draft_from_config, draft_from_layers, load_model, load_tokenizer,
-                          resolve_model_path)
+from eval.errors import UserError
+from eval.models import check_same_tokenizer, load_model, load_tokenizer, resolve_model_path
+from train.models import draft_from_config, draft_from_layers
 from train.recipe import DEFAULT_TARGET, parse_recipe
 
 
@@ -113,7 +114,7 @@ def test_pretrained_draft_with_other_tokenizer_is_refused(tmp_path, tiny_target_
 
 # ---------------------------------------------------------------------------- the embedded default target
 
-needs_default = pytest.mark.skipif(not models._is_converted(models.cache_dir() / "models" / DEFAULT_TARGET),
+needs_default = pytest.mark.skipif(not loading._is_converted(loading.cache_dir() / "models" / DEFAULT_TARGET),
                                    reason="default target not fetched (scripts/setup.sh fetches it)")
 
 
@@ -123,8 +124,8 @@ def test_default_target_loads_from_cache_without_fetching(monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("the default target was fetched again")
 
-    monkeypatch.setattr(models.subprocess, "run", no_network)
-    monkeypatch.setattr(models, "convert_gguf", no_network)
+    monkeypatch.setattr(loading.subprocess, "run", no_network)
+    monkeypatch.setattr(loading, "convert_gguf", no_network)
     tok = load_tokenizer(DEFAULT_TARGET)
     model = load_model(DEFAULT_TARGET, device="cpu")
     assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152 == len(tok)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from train.models import cache_dir
+from eval.models import cache_dir
 
 pytestmark = [
     pytest.mark.default_target,

@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import ROOT
 from train.__main__ import main as train_main
-from train.errors import UserError
-from train.recipe import Recipe, load_recipe, parse_recipe
+from eval.errors import UserError
+from train.recipe import dump_recipe, load_recipe, parse_recipe
 
 RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if not {"accelerate", "studies"} & set(p.parts))
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").rglob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_recipe_parses(path):
+def test_every_recipe_parses_and_reads_back_as_written(path):
     recipe = load_recipe(path)
-    assert isinstance(recipe, Recipe)
-    assert recipe.name
+    assert recipe.name == yaml.safe_load(path.read_text())["name"]
+    # What a run directory stores (recipe.yaml) parses back to the same recipe.
+    assert parse_recipe(yaml.safe_load(dump_recipe(recipe))) == recipe
 
 
 def test_recipes_exist():
@@ -71,6 +71,7 @@ BAD = [
     ({"eval": {"k": 0}}, "recipe key 'eval.k': must be >= 1"),
     ({"eval": {"draft_confidence": 1.0}}, "recipe key 'eval.draft_confidence': must be in"),
     ({"eval": {"temperatures": [0.7, -1]}}, "recipe key 'eval.temperatures': temperatures must be >= 0"),
+    ({"eval": {"compile": "yes"}}, "recipe key 'eval.compile': expected one of 'auto', 'on', 'off' or true/false"),
     ({"generate": {"temperatures": [-0.5]}}, "recipe key 'generate.temperatures'"),
     ({"draft": {"init": "magic"}}, "recipe key 'draft.init': expected one of"),
     ({"draft": {"init": "pretrained"}}, "recipe key 'draft.model': required"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import StubDraft, make_model, trained_draft
-from eval.speculative import CachedLM, Sampling, speculative_decode, vanilla_decode
+from eval.speculative import CachedLM, speculative_decode, vanilla_decode
 
 V = 64
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 VARIANTS = {
     "fkl": ["distill.losses={forward_kl: 1.0}"],
@@ -126,7 +126,6 @@ def test_dry_run_lists_variants_and_resolved_recipes(tmp_path, tiny_target_dir):
 
 
 def test_a_study_under_accelerate_launch_runs_each_variant_on_both_processes(tmp_path, tiny_target_dir):
-    from test_generate import free_port
 
     study, run_dir = write_study(tmp_path, tiny_target_dir, variants={"fkl": VARIANTS["fkl"], "rkl": VARIANTS["rkl"]})
     launcher = ["-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/accelerate/ddp.yaml"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from train.errors import UserError, cli_main
+from eval.errors import UserError, cli_main
 from train.recipe import STAGES, load_recipe
 
 

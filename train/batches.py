@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from train.errors import UserError
-from train.models import log
+from eval.errors import UserError
+from eval.models import log
 
 
 @dataclass

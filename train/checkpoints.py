@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 from train.draft_vocab import DRAFT_VOCAB_FILE
-from train.fsutil import atomic_write_json, atomic_write_text
-from train.models import log
+from eval.fsutil import atomic_write_json, atomic_write_text
+from eval.models import log
 from train.recipe import dump_recipe
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")

@@ -30,9 +30,10 @@ from train.checkpoints import (STATE_FILE, latest_good_checkpoint, list_checkpoi
                                truncate_log)
 from train.dist import prepare_target, zero_stage
 from train.draft_vocab import DraftVocab, prepare_draft_vocab
-from train.errors import UserError
-from train.fsutil import atomic_write_json
-from train.models import cast_weights, log
+from eval.errors import UserError
+from eval.fsutil import atomic_write_json
+from eval.models import log
+from train.models import cast_weights
 from train.target_signal import columns, fused_head_weight, head_rows, last_hidden, model_logits, target_rows
 
 

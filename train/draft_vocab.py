@@ -12,8 +12,8 @@ import torch
 
 from eval.draft_vocab import FILENAME as DRAFT_VOCAB_FILE
 from eval.draft_vocab import build_draft_vocab, load_draft_vocab, save_draft_vocab, subset_index
-from train.errors import UserError
-from train.models import log
+from eval.errors import UserError
+from eval.models import log
 
 
 @dataclass(frozen=True)

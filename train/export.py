@@ -1,4 +1,4 @@
-"""The export stage: the best checkpoint (by measured speedup, see eval/stage.py) as a plain Hugging Face model.
+"""The export stage: the best checkpoint (by measured speedup, see train/evaluate.py) as a plain Hugging Face model.
 
 RUN/export/ holds safetensors weights, config, tokenizer, a generation_config.json whose
 `num_assistant_tokens` is the measured optimal k (schedule `constant`; with a dynamic draft length,
@@ -16,12 +16,15 @@ import shutil
 from pathlib import Path
 
 from eval.draft_vocab import FILENAME as DRAFT_VOCAB_FILE
-from eval.report import EvalSettings, domain_rows, markdown_table, temperature_rows
-from eval.stage import summary_table
-from train.errors import UserError
-from train.fsutil import atomic_write_text
-from train.models import cast_weights, load_model, log
-from train.recipe import DEFAULT_TARGET, DEFAULT_TARGET_HUB_ID, dump_recipe
+from eval.report import domain_rows, markdown_table, temperature_rows
+from eval.settings import EvalSettings
+from train.evaluate import summary_table
+from eval.errors import UserError
+from eval.fsutil import atomic_write_text
+from eval.models import load_model, log
+from train.models import cast_weights
+from eval.models import DEFAULT_TARGET, DEFAULT_TARGET_HUB_ID
+from train.recipe import dump_recipe
 
 
 def best_report(run_dir: Path) -> tuple[str, dict, dict]:

@@ -11,27 +11,19 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from eval.packed import packed_linears
-from train.errors import UserError
-from train.fsutil import atomic_path, atomic_write_json
-from train.models import log
-from train.prompts import Prompt, builtin_prompts, encode_prompt, read_jsonl_prompts, row_to_prompt, spread
+from eval.errors import UserError
+from eval.fsutil import atomic_path, atomic_write_json
+from eval.models import log
+from eval.prompts import Prompt, builtin_prompts, read_jsonl_prompts, row_to_prompt, spread
+from train.completions import Row, build_rows, generate_batch
+from train.self_written import write_self_prompts
 
 SCHEMA_VERSION = 1
-
-
-@dataclass
-class Row:
-    prompt: Prompt
-    prompt_ids: list[int]
-    temperature: float
-    sample: int
 
 
 # ---------------------------------------------------------------------------- prompt sources
@@ -81,8 +73,6 @@ def _dataset_prompts(data, columns) -> list[Prompt]:
 def self_written_prompts(recipe, target, tokenizer, out_dir: Path, state) -> list[Prompt]:
     """`data.source: self`: the main process has the target write the prompts (train/self_written.py), the
     others wait and read them; with `with_builtin` the built-in train prompts join them."""
-    from train.self_written import write_self_prompts
-
     if state.is_main_process:
         with packed_linears(target):
             write_self_prompts(recipe, target, tokenizer, out_dir)
@@ -96,55 +86,8 @@ def self_written_prompts(recipe, target, tokenizer, out_dir: Path, state) -> lis
 # ---------------------------------------------------------------------------- rows and shards
 
 
-def build_rows(prompts: list[Prompt], tokenizer, generate, max_prompt_tokens: int) -> list[Row]:
-    rows = []
-    for temperature in generate.temperatures:
-        samples = 1 if temperature == 0 else generate.num_samples  # greedy has one answer
-        for prompt in prompts:
-            ids = encode_prompt(tokenizer, prompt, max_prompt_tokens)
-            rows.extend(Row(prompt, ids, temperature, s) for s in range(samples))
-    return rows
-
-
 def shard_path(out_dir: Path, index: int) -> Path:
     return out_dir / "data" / f"shard-{index:05d}.parquet"
-
-
-@torch.no_grad()
-def generate_batch(target, tokenizer, rows: list[Row], generate, seed: int):
-    """Left-padded batched `generate` at one temperature; returns per row (completion ids, finish reason, top-k)."""
-    pad = tokenizer.pad_token_id
-    width = max(len(r.prompt_ids) for r in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-        attention[i, width - len(r.prompt_ids):] = 1
-    device = next(target.parameters()).device
-    temperature = rows[0].temperature
-    eos = tokenizer.eos_token_id
-    kwargs = dict(do_sample=False) if temperature == 0 else dict(
-        do_sample=True, temperature=temperature, top_p=generate.top_p, top_k=generate.top_k or None)
-    torch.manual_seed(seed)
-    out = target.generate(
-        input_ids=input_ids.to(device), attention_mask=attention.to(device), max_new_tokens=generate.max_new_tokens,
-        eos_token_id=eos, pad_token_id=pad, return_dict_in_generate=True, output_logits=generate.topk_logprobs > 0, **kwargs,
-    )
-    completions = out.sequences[:, width:].tolist()
-    results = []
-    for i, ids in enumerate(completions):
-        finish = "length"
-        if eos in ids:
-            ids = ids[: ids.index(eos) + 1]
-            finish = "eos"
-        topk = None
-        if generate.topk_logprobs:
-            # log-probs of the raw logits (temperature 1), top-k per position, stored as float16.
-            steps = torch.stack([step[i] for step in out.logits[: len(ids)]]).float().log_softmax(-1)  # (n, V)
-            values, indices = steps.topk(generate.topk_logprobs, dim=-1)
-            topk = (indices.tolist(), values.half().tolist())
-        results.append((ids, finish, topk))
-    return results
 
 
 def write_shard(path: Path, rows: list[Row], results) -> None:

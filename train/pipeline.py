@@ -14,10 +14,10 @@ from pathlib import Path
 import yaml
 
 from eval.draft_vocab import load_draft_vocab
-from train.errors import UserError
-from train.fsutil import atomic_write_text
-from train.models import (build_draft, cast_weights, check_model_vocab, load_model, load_tokenizer, log, num_parameters,
-                          serving_dtype)
+from eval.errors import UserError
+from eval.fsutil import atomic_write_text
+from eval.models import check_model_vocab, load_model, load_tokenizer, log, num_parameters
+from train.models import build_draft, cast_weights, serving_dtype
 from train.recipe import Recipe, dump_recipe
 
 IDENTITY_KEYS = ("target", "draft", "data", "generate", "distill", "seed")
@@ -121,7 +121,7 @@ def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
 
 def _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, run_dir):
     """Measure each checkpoint as it is written (main process; the others wait) and log it to the tracker."""
-    from eval.stage import checkpoint_metrics, run_eval_stage, summarize
+    from train.evaluate import checkpoint_metrics, run_eval_stage, summarize
 
     if "eval" not in recipe.stages:
         return None
@@ -181,7 +181,7 @@ def _wandb_tracker(accelerator):
 
 def _eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir):
     """Measure every checkpoint not yet measured (or the draft as built when there is none); print the summary."""
-    from eval.stage import run_eval_stage, summarize, summary_table
+    from train.evaluate import run_eval_stage, summarize, summary_table
     from train.checkpoints import list_checkpoints
 
     checkpoints = list_checkpoints(run_dir)

@@ -18,33 +18,13 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from train.errors import UserError
+from eval.errors import UserError
+from eval.models import DEFAULT_TARGET
+from eval.settings import EvalSettings, FieldError, check, check_temperatures
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
-DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model as a user loads it
 LOSS_NAMES = ("forward_kl", "reverse_kl", "jsd", "tvd", "sequence_ce")
 STAGES = ("generate", "distill", "eval", "export")
 _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
-
-
-class _FieldError(Exception):
-    """Raised inside a section; the parser prefixes the section path to `key`."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(message)
-        self.key = key
-        self.message = message
-
-
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise _FieldError(key, message)
-
-
-def _check_temperatures(values: list[float], key: str) -> None:
-    _check(len(values) > 0, key, "expected at least one temperature")
-    for t in values:
-        _check(t >= 0, key, f"temperatures must be >= 0 (0 means greedy), got {t}")
 
 
 @dataclass
@@ -84,10 +64,10 @@ class DraftSection:
     ids are saved as `draft_vocab.json` beside each checkpoint and the export, whose weights keep the full head."""
 
     def __post_init__(self):
-        _check(self.vocab_size >= 0, "vocab_size", "expected 0 (the full vocabulary) or a token count")
-        _check(self.init != "pretrained" or bool(self.model), "model", "required when init is 'pretrained'")
-        _check(self.init != "layers" or len(self.layers) > 0, "layers", "expected at least one layer index")
-        _check(len(set(self.layers)) == len(self.layers), "layers", "layer indices must be distinct")
+        check(self.vocab_size >= 0, "vocab_size", "expected 0 (the full vocabulary) or a token count")
+        check(self.init != "pretrained" or bool(self.model), "model", "required when init is 'pretrained'")
+        check(self.init != "layers" or len(self.layers) > 0, "layers", "expected at least one layer index")
+        check(len(set(self.layers)) == len(self.layers), "layers", "layer indices must be distinct")
 
 
 DEFAULT_SELF_HINTS = {
@@ -126,14 +106,14 @@ class SelfWrittenSection:
     """Also use the built-in train prompts (a mixture of templated and self-written prompts)."""
 
     def __post_init__(self):
-        _check(self.num_prompts > 0, "num_prompts", "must be > 0")
-        _check(len(self.domains) > 0, "domains", "expected at least one domain")
-        _check(self.temperature > 0, "temperature", "must be > 0 (greedy would write one request per domain)")
-        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _check(self.max_tokens > 0, "max_tokens", "must be > 0")
-        _check(self.min_words >= 1, "min_words", "must be >= 1")
-        _check(0 < self.near_duplicate <= 1, "near_duplicate", "must be in (0, 1]")
-        _check(self.max_attempts >= 1, "max_attempts", "must be >= 1")
+        check(self.num_prompts > 0, "num_prompts", "must be > 0")
+        check(len(self.domains) > 0, "domains", "expected at least one domain")
+        check(self.temperature > 0, "temperature", "must be > 0 (greedy would write one request per domain)")
+        check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(self.max_tokens > 0, "max_tokens", "must be > 0")
+        check(self.min_words >= 1, "min_words", "must be >= 1")
+        check(0 < self.near_duplicate <= 1, "near_duplicate", "must be in (0, 1]")
+        check(self.max_attempts >= 1, "max_attempts", "must be >= 1")
 
 
 @dataclass
@@ -158,9 +138,9 @@ class DataSection:
     """For `self`: how the target writes its prompts."""
 
     def __post_init__(self):
-        _check(self.source in ("builtin", "self") or bool(self.path), "path", f"required when source is '{self.source}'")
-        _check(self.max_prompts is None or self.max_prompts > 0, "max_prompts", "must be > 0")
-        _check(self.max_prompt_tokens > 0, "max_prompt_tokens", "must be > 0")
+        check(self.source in ("builtin", "self") or bool(self.path), "path", f"required when source is '{self.source}'")
+        check(self.max_prompts is None or self.max_prompts > 0, "max_prompts", "must be > 0")
+        check(self.max_prompt_tokens > 0, "max_prompt_tokens", "must be > 0")
 
 
 @dataclass
@@ -172,21 +152,25 @@ class GenerateSection:
     num_samples: int = 1
     """Completions per prompt and temperature (greedy always writes one)."""
     max_new_tokens: int = 128
+    """The longest completion, in tokens (a cut one is kept, with finish reason `length`)."""
     batch_size: int = 8
+    """Rows per batched `generate` call."""
     top_p: float = 1.0
+    """Nucleus sampling at T > 0 (1: off)."""
     top_k: int = 0
+    """Top-k sampling at T > 0 (0: off)."""
     topk_logprobs: int = 0
     """If > 0, also store the target's top-k log-probs at every completion position."""
     shard_size: int = 256
     """Rows per shard on disk."""
 
     def __post_init__(self):
-        _check_temperatures(self.temperatures, "temperatures")
+        check_temperatures(self.temperatures, "temperatures")
         for key in ("num_samples", "max_new_tokens", "batch_size", "shard_size"):
-            _check(getattr(self, key) > 0, key, "must be > 0")
-        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables)")
-        _check(self.topk_logprobs >= 0, "topk_logprobs", "must be >= 0")
+            check(getattr(self, key) > 0, key, "must be > 0")
+        check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables)")
+        check(self.topk_logprobs >= 0, "topk_logprobs", "must be >= 0")
 
 
 @dataclass
@@ -223,60 +207,23 @@ class DistillSection:
     training only the layers between them is cheaper and keeps the head aligned with the target's)."""
 
     def __post_init__(self):
-        _check(len(self.losses) > 0, "losses", "expected at least one loss")
+        check(len(self.losses) > 0, "losses", "expected at least one loss")
         for name, weight in self.losses.items():
-            _check(name in LOSS_NAMES, f"losses.{name}", f"unknown loss; expected one of {', '.join(LOSS_NAMES)}")
-            _check(weight >= 0, f"losses.{name}", f"weight must be >= 0, got {weight}")
-        _check(0 <= self.jsd_beta <= 1, "jsd_beta", "must be in [0, 1]")
-        _check(self.temperature > 0, "temperature", "must be > 0")
-        _check(0 <= self.on_policy_lambda <= 1, "on_policy_lambda", "must be in [0, 1]")
-        _check(self.on_policy_lambda == 0 or any(name != "sequence_ce" for name in self.losses), "on_policy_lambda",
+            check(name in LOSS_NAMES, f"losses.{name}", f"unknown loss; expected one of {', '.join(LOSS_NAMES)}")
+            check(weight >= 0, f"losses.{name}", f"weight must be >= 0, got {weight}")
+        check(0 <= self.jsd_beta <= 1, "jsd_beta", "must be in [0, 1]")
+        check(self.temperature > 0, "temperature", "must be > 0")
+        check(0 <= self.on_policy_lambda <= 1, "on_policy_lambda", "must be in [0, 1]")
+        check(self.on_policy_lambda == 0 or any(name != "sequence_ce" for name in self.losses), "on_policy_lambda",
                "on-policy batches learn from a divergence (draft-written text is no target); add one to 'losses'")
-        _check(self.lr > 0, "lr", "must be > 0")
-        _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        _check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        check(self.lr > 0, "lr", "must be > 0")
+        check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        check(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         for key in ("max_steps", "batch_size", "grad_accum", "max_seq_len", "checkpoint_every"):
-            _check(getattr(self, key) > 0, key, "must be > 0")
-        _check(self.max_grad_norm > 0, "max_grad_norm", "must be > 0")
-        _check(self.loss_chunk_size >= 0, "loss_chunk_size", "must be >= 0")
-        _check(self.keep_checkpoints >= 0, "keep_checkpoints", "must be >= 0")
-
-
-@dataclass
-class EvalSection:
-    """Every checkpoint is measured with the built-in speculative decoder."""
-
-    k: int = 4
-    """Draft tokens per round (the most per round when draft_confidence > 0)."""
-    draft_confidence: float = 0.0
-    """Dynamic draft length: a round stops drafting after a token the draft gives a probability below this
-    (transformers' assistant_confidence_threshold; exact either way). 0: always k tokens."""
-    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
-    max_new_tokens: int = 128
-    num_prompts: int = 16
-    """Evaluation prompts per measurement, taken round-robin over domains."""
-    prompts: str = "independent"
-    """`independent`: the hand-written evaluation set (160 prompts, no template shared with training);
-    `held_out`: the built-in prompts of template families training never sees; or a JSON lines file."""
-    top_p: float = 1.0
-    top_k: int = 0
-    fallback_window: int = 100
-    """Acceptance outcomes in the guardrail's rolling window."""
-    fallback_threshold: float = 0.4
-    """Below this rolling acceptance a request finishes with vanilla decoding (0 disables)."""
-    compile: Literal["auto", "on", "off"] = "auto"
-    """`on`: a static KV cache and compiled decode steps (CUDA graphs on a GPU; eval/compiled.py); `off`: eager;
-    `auto`: compile, time a draft and a target token both ways, keep the faster (eager where compiling cannot run)."""
-
-    def __post_init__(self):
-        _check(self.k >= 1, "k", f"must be >= 1, got {self.k}")
-        _check_temperatures(self.temperatures, "temperatures")
-        for key in ("max_new_tokens", "num_prompts", "fallback_window"):
-            _check(getattr(self, key) > 0, key, "must be > 0")
-        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables)")
-        _check(0 <= self.fallback_threshold <= 1, "fallback_threshold", "must be in [0, 1]")
-        _check(0 <= self.draft_confidence < 1, "draft_confidence", f"must be in [0, 1), got {self.draft_confidence}")
+            check(getattr(self, key) > 0, key, "must be > 0")
+        check(self.max_grad_norm > 0, "max_grad_norm", "must be > 0")
+        check(self.loss_chunk_size >= 0, "loss_chunk_size", "must be >= 0")
+        check(self.keep_checkpoints >= 0, "keep_checkpoints", "must be >= 0")
 
 
 @dataclass
@@ -288,7 +235,7 @@ class ExportSection:
     wandb_artifact: bool = False
 
     def __post_init__(self):
-        _check(not self.push_to_hub or bool(self.hub_model_id), "hub_model_id", "required when push_to_hub is true")
+        check(not self.push_to_hub or bool(self.hub_model_id), "hub_model_id", "required when push_to_hub is true")
 
 
 @dataclass
@@ -314,14 +261,14 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     generate: GenerateSection = field(default_factory=GenerateSection)
     distill: DistillSection = field(default_factory=DistillSection)
-    eval: EvalSection = field(default_factory=EvalSection)
+    eval: EvalSettings = field(default_factory=EvalSettings)
     export: ExportSection = field(default_factory=ExportSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
 
     def __post_init__(self):
-        _check(bool(self.name) and "/" not in self.name, "name", "expected a non-empty name without '/'")
+        check(bool(self.name) and "/" not in self.name, "name", "expected a non-empty name without '/'")
         for stage in self.stages:
-            _check(stage in STAGES, "stages", f"unknown stage '{stage}'; expected some of {', '.join(STAGES)}")
+            check(stage in STAGES, "stages", f"unknown stage '{stage}'; expected some of {', '.join(STAGES)}")
 
     @property
     def run_dir(self) -> Path:
@@ -418,7 +365,7 @@ def _build(cls, data: dict, prefix: str):
         kwargs[key] = _coerce(value, hints[key], dotted)
     try:
         return cls(**kwargs)
-    except _FieldError as err:
+    except FieldError as err:
         dotted = f"{prefix}.{err.key}" if prefix else err.key
         raise UserError(f"recipe key '{dotted}': {err.message}") from None
 

@@ -24,10 +24,10 @@ from types import SimpleNamespace
 
 from tqdm.auto import tqdm
 
-from train.fsutil import atomic_write_text
-from train.generate import Row, generate_batch
-from train.models import log
-from train.prompts import Prompt, builtin_prompts, read_jsonl_prompts
+from eval.fsutil import atomic_write_text
+from train.completions import Row, generate_batch
+from eval.models import log
+from eval.prompts import Prompt, builtin_prompts, read_jsonl_prompts
 
 SENTINEL = "\uE000specdistill-user-turn\uE000"
 SHINGLE = 5

@@ -33,9 +33,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.errors import UserError, cli_main
-from train.fsutil import atomic_write_json, atomic_write_text
-from train.models import log
+from eval.errors import UserError, cli_main
+from eval.fsutil import atomic_write_json, atomic_write_text
+from eval.models import log
 from train.recipe import Recipe, _build, dump_recipe, load_recipe, read_recipe_file
 
 DATA_SECTIONS = ("target", "data", "generate", "seed")  # what the generated data depends on

@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 
 from eval.metrics import Costs, alpha_needed
-from eval.report import EvalSettings, evaluate_pair, format_table, summary_text
-from train.fsutil import atomic_write_json, atomic_write_text
-from train.models import log
-from train.prompts import eval_prompt_set, spread
+from eval.report import evaluate_pair, format_table, summary_text
+from eval.fsutil import atomic_write_json, atomic_write_text
+from eval.models import log
+from eval.prompts import eval_prompt_set, spread
 
 
 def eval_prompts(recipe):
@@ -31,11 +31,11 @@ def run_eval_stage(recipe, target, draft, tokenizer, draft_name: str, run_dir: P
     if (out / "report.json").is_file():
         log(f"eval of '{tag}' already done ({out}/report.json); skipped")
         return json.loads((out / "report.json").read_text())
-    settings = EvalSettings.from_recipe(recipe.eval, seed=recipe.seed, max_prompt_tokens=recipe.data.max_prompt_tokens)
     was_training = draft.training
     draft.eval()
-    report = evaluate_pair(target, draft, tokenizer, eval_prompts(recipe), settings,
-                           target_name=recipe.target.model, draft_name=draft_name, out_dir=out, draft_vocab=draft_vocab)
+    report = evaluate_pair(target, draft, tokenizer, eval_prompts(recipe), recipe.eval, target_name=recipe.target.model,
+                           draft_name=draft_name, out_dir=out, draft_vocab=draft_vocab, seed=recipe.seed,
+                           max_prompt_tokens=recipe.data.max_prompt_tokens)
     draft.train(was_training)
     print(summary_text(report))
     return report

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.errors import UserError
+from eval.errors import UserError
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "prompts.jsonl"
 INDEPENDENT_PATH = Path(__file__).parent / "data" / "independent.jsonl"
