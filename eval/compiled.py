@@ -19,6 +19,7 @@ in this mode too, tests/test_compiled.py).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 import weakref
@@ -84,9 +85,11 @@ class StaticLM(CachedLM):
             raise ValueError(f"{self.length + n} tokens do not fit the static cache of {self.max_length}")
         if keep == 1 and n <= 2:
             for i in range(n):  # one-token steps (the draft catching up on at most two tokens)
-                logits = self._call(self.step_one, ids[:, i:i + 1])
+                logits = self._call(self.step_one, ids[0, i].view(1, 1))  # strides (1, 1) as any one-token input: one graph
             return logits
         if keep == n and n <= self.max_verify:
+            if self.compiled:
+                torch._dynamo.mark_dynamic(ids, 1)  # one graph for every verify length, not one for 2 and one for the rest
             return self._call(self.step_many, ids)
         return CachedLM.run(self, ids, keep)  # the prefill, eagerly
 
@@ -96,13 +99,16 @@ class StaticLM(CachedLM):
             return step(ids).clone()  # a CUDA graph's output is overwritten by its next replay
         return step(ids)
 
+    @torch.no_grad()
     def warm_up(self, prompt_ids: list[int]) -> float:
-        """Compile (or load) every step on a real prompt before anything is timed; returns the seconds it took."""
+        """Compile (or load) every step on a real prompt before anything is timed, as decoding calls them (no
+        gradient, one and two one-token steps, every verify length); returns the seconds it took."""
         start = time.perf_counter()
         for _ in range(2):  # a second call runs what the first compiled (CUDA graphs record on it)
             self.reset()
             self.forward(prompt_ids[:-1] or prompt_ids, keep=1)
             self.forward(prompt_ids[-1:], keep=1)
+            self.forward(prompt_ids[-1:] * 2, keep=1)
             for n in range(2, self.max_verify + 1):  # every verify length, so CUDA graphs are recorded now
                 self.forward(prompt_ids[-1:] * n, keep=n)
                 self.crop(self.length - n)
@@ -126,6 +132,11 @@ def static_lm(model, vocab_size: int, token_ids: torch.Tensor | None, *, max_len
         lm = StaticLM(model, vocab_size, token_ids, max_length=max_length, max_verify=max_verify)
         _LMS[model] = lm
     return lm
+
+
+def no_recompiles(compiled: bool):
+    """While decoding is timed, a recompilation is an error rather than seconds hidden in a request's wall time."""
+    return torch.compiler.set_stance("fail_on_recompile") if compiled else contextlib.nullcontext()
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from eval.compiled import prepare_decoders
+from eval.compiled import no_recompiles, prepare_decoders
 from eval.draft_vocab import restricted_head
 from eval.metrics import (CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, per_token_speedup, predicted_speedup,
                           theory_k)
@@ -105,7 +105,7 @@ def evaluate_pair(
         decoders = prepare_decoders(target, draft, settings.compile, vocab_size=vocab, draft_vocab=sub_ids, probe_ids=encoded[0],
                                     max_length=max(map(len, encoded)) + settings.max_new_tokens, k=settings.k)
         eager = not decoders.compiled
-        with packed_linears(target, enabled=eager), packed_linears(draft, enabled=eager):
+        with packed_linears(target, enabled=eager), packed_linears(draft, enabled=eager), no_recompiles(decoders.compiled):
             records, costs = _decode_all(decoders.target, decoders.draft, prompts, encoded, settings, pair, eos, vocab, sub_ids,
                                          device, progress, seed)
 

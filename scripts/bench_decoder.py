@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.compiled import prepare_decoders  # noqa: E402
+from eval.compiled import no_recompiles, prepare_decoders  # noqa: E402
 from eval.draft_vocab import load_draft_vocab, restricted_head  # noqa: E402
 from eval.metrics import measure_costs, predicted_speedup  # noqa: E402
 from eval.packed import packed_linears  # noqa: E402
@@ -86,7 +86,7 @@ def bench_mode(mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_va
     decoders = prepare_decoders(target, draft, compile_mode, vocab_size=vocab, draft_vocab=sub_ids, probe_ids=prompts[0],
                                 max_length=max(map(len, prompts)) + args.max_new_tokens, k=args.k)
     packed = mode == "packed"
-    with packed_linears(target, enabled=packed), packed_linears(draft, enabled=packed):
+    with packed_linears(target, enabled=packed), packed_linears(draft, enabled=packed), no_recompiles(decoders.compiled):
         t, d = decoders.target, decoders.draft
         speculative_decode(t, d, prompts[0], k=args.k, max_new_tokens=4, vocab_size=vocab, draft_vocab=sub_ids)  # warm up
         vanilla_decode(t, prompts[0], max_new_tokens=4, vocab_size=vocab)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.compiled import prepare_decoders  # noqa: E402
+from eval.compiled import no_recompiles, prepare_decoders  # noqa: E402
 from eval.draft_vocab import load_draft_vocab, restricted_head  # noqa: E402
 from eval.metrics import per_token_speedup  # noqa: E402
 from eval.packed import packed_linears  # noqa: E402
@@ -76,7 +76,7 @@ def main() -> None:
                                     max_length=max(map(len, encoded)) + args.max_new_tokens, k=k_max)
         print(f"decoder: {decoders.to_dict()}", file=sys.stderr, flush=True)
         eager = not decoders.compiled
-        with packed_linears(target, enabled=eager), packed_linears(draft, enabled=eager):
+        with packed_linears(target, enabled=eager), packed_linears(draft, enabled=eager), no_recompiles(decoders.compiled):
             target, draft = decoders.target, decoders.draft  # the models, or their compiled StaticLMs
             speculative_decode(target, draft, encoded[0], k=3, max_new_tokens=8, vocab_size=vocab, draft_vocab=sub_ids)  # warm up
             for t_index, temperature in enumerate(temperatures):
