@@ -150,3 +150,23 @@ def test_every_study_file_in_recipes_resolves(tmp_path):
         study, base, _ = load_study(path)
         variants = resolve_variants(study, base, tmp_path / study.name)
         assert len(variants) == len(study.variants) >= 2
+
+
+def test_a_key_added_since_a_variant_ran_is_no_difference():
+    """A finished variant's stored recipe lacks keys a newer version added (their defaults apply); any stored key
+    that changed, in a section or a whole value such as the losses, is a difference."""
+    from train.recipe import load_recipe
+    from train.study import _differs
+
+    current = json.loads(json.dumps(load_recipe(ROOT / "recipes" / "default.yaml").to_dict()))
+    stored = json.loads(json.dumps(current))
+    del stored["eval"]["compile"]
+    assert not _differs(stored, current)
+    stored["distill"]["losses"]["jsd"] = 1.0
+    assert _differs(stored, current)
+    stored = json.loads(json.dumps(current))
+    stored["data"]["self_written"]["num_prompts"] = 5
+    assert _differs(stored, current)
+    stored = json.loads(json.dumps(current))
+    stored["old_key"] = 1
+    assert _differs(stored, current)

@@ -25,11 +25,13 @@ variant with the highest mean observed speedup over the eval temperatures (ties:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,10 +111,26 @@ def resolve_variants(study: StudyFile, base: Path, run_dir: Path) -> list[Varian
             raise UserError(f"study variant '{name}': {err}") from None
         variants.append(Variant(name, overrides, recipe, data_key(recipe)))
         row = _read_row(run_dir / name)
-        if row is not None and row["recipe"] != json.loads(json.dumps(recipe.to_dict())):
+        if row is not None and _differs(row["recipe"], json.loads(json.dumps(recipe.to_dict()))):
             raise UserError(f"study variant '{name}': {run_dir / name} holds results of a different recipe; "
                             "remove that directory or rename the variant")
     return variants
+
+
+def _differs(stored: dict, current: dict, section=None) -> bool:
+    """Whether a finished variant's recipe differs from what the study file resolves to now. A key the stored
+    recipe lacks did not exist when it ran (a newer version added it), so only the stored keys are compared;
+    sections are compared key by key, every other value whole."""
+    hints = typing.get_type_hints(section or Recipe)
+    for key, value in stored.items():
+        if key not in current:
+            return True
+        if dataclasses.is_dataclass(hints.get(key)) and isinstance(value, dict):
+            if _differs(value, current[key], hints[key]):
+                return True
+        elif value != current[key]:
+            return True
+    return False
 
 
 def _read_row(variant_dir: Path) -> dict | None:
