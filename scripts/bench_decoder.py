@@ -142,6 +142,7 @@ def main():
     parser.add_argument("--draft-confidence", type=float, default=0.0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"], help="default: --dtype")
     parser.add_argument("--modes", default=None, help="comma-separated of eager,packed,compiled (default: all the device has)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate() baselines")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -154,7 +155,7 @@ def main():
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, dtype=args.dtype, device=device).eval()
     if args.draft:
-        draft = load_model(args.draft, dtype=args.dtype, device=device).eval()
+        draft = load_model(args.draft, dtype=args.draft_dtype or args.dtype, device=device).eval()
         vocab_ids = load_draft_vocab(args.draft) if Path(args.draft).is_dir() else None
     else:
         draft, vocab_ids = draft_from_layers(target, [int(i) for i in args.layers.split(",")]).to(device).eval(), None
@@ -177,7 +178,7 @@ def main():
 
     print(f"greedy, k={args.k}" + (f" (a round stops at q < {args.draft_confidence})" if args.draft_confidence else "")
           + f", {len(prompts)} independent evaluation prompts, {args.max_new_tokens} new tokens, {device} "
-          f"({processor_name()}), {args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+          f"({processor_name()}), target {args.dtype}, draft {args.draft_dtype or args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     headers = ["mode", "compile s", "draft ms", "target ms", f"verify {args.k + 1} ms", "c", "alpha", "tau",
                "vanilla ms/tok", "ours ms/tok", "speedup obs", "speedup theo", "greedy ==", "vanilla == eager"]
     print(format_table(headers, [[r["mode"], r["compile_seconds"], r["t_draft_ms"], r["t_target1_ms"], r["t_verify_ms"], r["c"],
