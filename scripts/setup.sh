@@ -17,7 +17,7 @@ fi
 echo "setup: installing specdistill and its dependencies"
 pip install --quiet --disable-pip-version-check -e ".[dev]"
 echo "setup: default target (fetched and converted once, then read from the cache)"
-python -c "from train.models import ensure_default_target; print('setup: default target at', ensure_default_target())"
+python -c "from eval.models import ensure_default_target; print('setup: default target at', ensure_default_target())"
 if python -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then  # exit 0: no CUDA
   # Multi-process DeepSpeed on a CPU-only machine (the ZeRO tests) needs DeepSpeed's shared-memory
   # communication op; build it once here (about a minute) rather than inside the first test.

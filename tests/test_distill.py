@@ -191,27 +191,26 @@ def test_resume_after_sigkill_ends_with_the_uninterrupted_weights(tmp_path, gene
     assert again.returncode == 0 and "already finished" in again.stderr
 
 
-def test_cached_signal_and_on_policy_runs(tmp_path, generated, tiny_target_dir):
-    cached_dir, cached = prepared(tmp_path, generated, "cached", tiny_target_dir, target_signal="cached", max_steps=2,
-                                  checkpoint_every=2)
-    proc = run_train(cached)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    # Proof that the loop learns from the cached top-k and not from the target: the same run with another target
-    # (other weights, same tokenizer) trains identically, while the online signal depends on the target.
+def test_cached_signal_and_on_policy_runs(tmp_path, generated, tiny_target_dir, tiny_draft_dir):
+    """The cached signal is what the loop learns from: the same run with another target (other weights, same
+    tokenizer; the draft loaded from disk, so it does not start from the target's layers) trains identically,
+    while with the online signal the target's weights change the loss."""
     from eval.models import load_tokenizer
 
     other = tmp_path / "other-target"
     make_model(len(load_tokenizer(str(tiny_target_dir))), layers=2, seed=9).save_pretrained(other)
     load_tokenizer(str(tiny_target_dir)).save_pretrained(other)
-    swapped_dir, swapped = prepared(tmp_path, generated, "swapped", other, target_signal="cached", max_steps=2,
-                                    checkpoint_every=2)
-    online_dir, online = prepared(tmp_path, generated, "online", tiny_target_dir, target_signal="online", max_steps=2,
-                                  checkpoint_every=2)
-    for recipe in (swapped, online):
+    logs = {}
+    for signal_, target in (("cached", tiny_target_dir), ("cached", other), ("online", tiny_target_dir), ("online", other)):
+        run_dir, recipe = prepared(tmp_path, generated, f"{signal_}-{target.name}", target, target_signal=signal_,
+                                   max_steps=2, checkpoint_every=2)
+        data = json.loads(recipe.read_text())
+        recipe.write_text(json.dumps({**data, "draft": {"init": "pretrained", "model": str(tiny_draft_dir)}}))
         proc = run_train(recipe)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["train/loss"] for r in steps_logged(swapped_dir)] == [r["train/loss"] for r in steps_logged(cached_dir)]
-    assert steps_logged(online_dir)[0]["train/loss"] != steps_logged(cached_dir)[0]["train/loss"]
+        logs[signal_, target.name] = [r["train/loss"] for r in steps_logged(run_dir)]
+    assert logs["cached", other.name] == logs["cached", tiny_target_dir.name]
+    assert logs["online", other.name] != logs["online", tiny_target_dir.name]
     policy_dir, policy = prepared(tmp_path, generated, "policy", tiny_target_dir, on_policy_lambda=1.0, max_steps=2,
                                   checkpoint_every=2)
     proc = run_train(policy)
