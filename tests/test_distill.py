@@ -227,16 +227,14 @@ def test_cached_target_rows_are_distributions_with_the_stored_top_k():
     batch = collate([Example(ids=[5, 6, 7, 8, 9], start=2, row=0), Example(ids=[1, 2, 3, 4], start=3, row=1)], pad_id=0)
     ids = [[[1, 2, 3, 4], [4, 3, 2, 1], [9, 8, 7, 6]], [[7, 6, 5, 4]]]
     lp = [torch.log_softmax(torch.randn(n, 10), -1).topk(k, dim=-1).values.tolist() for n in (3, 1)]
-    keep = batch.loss_mask[:, batch.first:].bool()
-    assert batch.first == 1 and keep.sum() == 4  # positions 1..3 of the first example, 2 of the second
-    rows, size = target_rows("cached", target=None, batch=batch, keep=keep, device="cpu", vocab=vocab, restrict=None,
-                             cached=(ids, lp))
-    out = rows(0, 4)[0]  # (4, V), example by example, position by position
-    assert size == vocab and out.shape == (4, vocab)
+    assert batch.first == 1 and batch.positions.sum() == 4  # positions 1..3 of the first example, 2 of the second
+    signal = target_rows("cached", target=None, batch=batch, device="cpu", cached=(ids, lp))
+    out = signal.rows(0, 4, vocab, None)[0]  # (4, V), example by example, position by position
+    assert signal.vocab is None and out.shape == (4, vocab)
     torch.testing.assert_close(out.exp().sum(-1), torch.ones(4))
     for j, (r, i) in enumerate([(0, 0), (0, 1), (0, 2), (1, 0)]):
         torch.testing.assert_close(out[j, ids[r][i]], torch.tensor(lp[r][i]))
-    torch.testing.assert_close(rows(1, 3)[0], out[1:3])  # a chunk is the same rows
+    torch.testing.assert_close(signal.rows(1, 3, vocab, None)[0], out[1:3])  # a chunk is the same rows
 
 
 @pytest.mark.parametrize("signal,on_policy", [("online", False), ("cached", False), ("cached", True)])

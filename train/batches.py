@@ -68,6 +68,11 @@ class Batch:
         return int(self.loss_mask.sum())
 
     @property
+    def positions(self) -> torch.Tensor:
+        """(B, L-1-first) bool: the loss positions among those from `first` on (what every loss keeps)."""
+        return self.loss_mask[:, self.first:].bool()
+
+    @property
     def first(self) -> int:
         """The first position that predicts a completion token: logits before it are never computed."""
         return min(e.start for e in self.examples) - 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,7 +35,8 @@ from eval.errors import UserError
 from eval.fsutil import atomic_write_json
 from eval.models import log
 from train.models import cast_weights
-from train.target_signal import columns, fused_head_weight, head_rows, last_hidden, model_logits, target_rows
+from train.target_signal import (TargetSignal, columns, fused_head_weight, head_rows, last_hidden, model_logits,
+                                 target_rows)
 
 
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
@@ -51,42 +53,66 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
 
 def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = False, cached=None,
                  restrict: DraftVocab | None = None) -> dict[str, torch.Tensor]:
-    """One micro-batch: the target signal, the draft forward, and each weighted loss as a sum over the N loss
-    positions (the completion tokens; normalised later by the global token count).
+    """One micro-batch's weighted loss terms: `target_signal`, `draft_forward`, `loss_terms`, the three calls of
+    the loop's step."""
+    signal = target_signal(recipe, target, batch, device, on_policy, cached)
+    drafted = draft_forward(draft, batch, device, recipe.distill.loss_chunk_size)
+    return loss_terms(recipe.distill, drafted, signal, batch, on_policy, restrict)
 
-    Only the loss positions are kept (prompt and padding positions never enter a loss). With `loss_chunk_size`
-    > 0 and a head it can reach, the draft's head runs inside the loss chunk by chunk (`losses.fused_head_loss`:
-    the draft's (N, V) logits never exist whole, and every term's gradient comes in closed form); otherwise
-    the draft's full forward gives its logits. Either way the target's rows come from `target_rows`: online
-    (on-policy batches always), cached (the generate stage's top-k) or none (sequence_ce alone).
+
+def target_signal(recipe, target, batch: Batch, device, on_policy: bool, cached) -> TargetSignal:
+    """The target's side: online (a forward pass under no_grad; on-policy batches always), cached (the generate
+    stage's top-k) or none (sequence_ce alone learns from the target's text, not its distribution)."""
+    if not any(name != "sequence_ce" for name in recipe.distill.losses):
+        kind = "none"
+    else:
+        kind = "online" if on_policy or recipe.distill.target_signal == "online" else "cached"
+    return target_rows(kind, target=target, batch=batch, device=device, cached=cached)
+
+
+@dataclass
+class DraftForward:
+    """The draft's side at the micro-batch's N loss positions: its logits, or, for the fused head, its last hidden
+    states and the head weight that the loss applies chunk by chunk."""
+
+    vocab: int
+    logits: torch.Tensor | None = None  # (1, N, V)
+    hidden: torch.Tensor | None = None  # (1, N, H)
+    head: torch.Tensor | None = None  # (V, H)
+
+
+def draft_forward(draft, batch: Batch, device, chunk_size: int) -> DraftForward:
+    """With `loss_chunk_size` > 0 and a head it can reach, the draft's head runs inside the loss, chunk by chunk
+    (`losses.fused_head_loss`: the draft's (N, V) logits never exist whole); otherwise its forward gives logits."""
+    keep = batch.positions.to(device)  # (B, T): prompt and padding positions never enter a loss
+    head = fused_head_weight(chunk_size, draft)
+    if head is not None:
+        return DraftForward(head.shape[0], hidden=last_hidden(draft, batch, device)[keep][None], head=head)
+    logits = model_logits(draft, batch, device)[keep][None]
+    return DraftForward(logits.shape[-1], logits=logits)
+
+
+def loss_terms(section, drafted: DraftForward, signal: TargetSignal, batch: Batch, on_policy: bool,
+               restrict: DraftVocab | None = None) -> dict[str, torch.Tensor]:
+    """Each weighted loss as a sum over the N loss positions (normalised later by the global token count).
+
     `restrict`: a reduced draft vocabulary; both distributions are taken over its tokens, and a label outside
     it counts in no sequence_ce term. Returns {loss name: weighted sum}; their sum carries the gradient of all.
     """
-    section = recipe.distill
-    keep = batch.loss_mask[:, batch.first:].bool().to(device)  # (B, T)
-    labels = batch.input_ids[:, batch.first + 1:].to(device)[keep][None]  # (1, N)
+    device = drafted.head.device if drafted.head is not None else drafted.logits.device
+    labels = batch.input_ids[:, batch.first + 1:].to(device)[batch.positions.to(device)][None]  # (1, N)
     label_ok = torch.ones(labels.shape, dtype=torch.float32, device=device)
     if restrict is not None:
         labels, inside = restrict.labels(labels)
         label_ok = inside.float()
-
-    # The draft forward: hidden states for the fused head, or logits.
-    head = fused_head_weight(section.loss_chunk_size, draft)
-    if head is not None:
-        hidden = last_hidden(draft, batch, device)[keep][None]  # (1, N, H)
-        vocab = head.shape[0]
-    else:
-        draft_logits = model_logits(draft, batch, device)[keep][None]  # (1, N, V)
-        vocab = draft_logits.shape[-1]
-
-    # The target signal, under no_grad when it is computed.
-    kind = "none" if not _reads_target(recipe) else "online" if on_policy or section.target_signal == "online" else "cached"
-    target_chunk, vocab = target_rows(kind, target=target, batch=batch, keep=keep, device=device, vocab=vocab,
-                                      restrict=restrict, cached=cached, chunk_size=section.loss_chunk_size)
-
+    # Same tokenizer, but the heads may be padded to different sizes (Qwen2.5 0.5B has 151936 rows, 7B 152064):
+    # compare the rows both have; the rest are padding no text uses.
+    vocab = min(drafted.vocab, signal.vocab) if signal.vocab is not None else drafted.vocab
+    target_chunk = None if signal.rows is None else (lambda lo, hi: signal.rows(lo, hi, vocab, restrict))
     active = _active_losses(section, on_policy)
-    if head is None:
-        draft_logits = columns(draft_logits, vocab, restrict)
+
+    if drafted.head is None:
+        draft_logits = columns(drafted.logits, vocab, restrict)
         target_logits = target_chunk(0, draft_logits.shape[1]) if target_chunk is not None else None
         terms = {}
         for name, weight, kwargs in active:
@@ -116,7 +142,8 @@ def batch_losses(recipe, draft, target, batch: Batch, device, on_policy: bool = 
             del g
         return chunk_value, grad
 
-    total = L.fused_head_loss(hidden, head_rows(head, vocab, restrict), chunk_value_and_grad, section.loss_chunk_size)
+    total = L.fused_head_loss(drafted.hidden, head_rows(drafted.head, vocab, restrict), chunk_value_and_grad,
+                              section.loss_chunk_size)
     terms = {name: value.detach() for name, value in values.items()}
     if terms:
         first = next(iter(terms))
@@ -130,10 +157,6 @@ def _active_losses(section, on_policy: bool) -> list[tuple[str, float, dict]]:
             for name, weight in section.losses.items()
             # draft-written tokens are not targets; on-policy batches learn from the divergences only
             if not (on_policy and name == "sequence_ce")]
-
-
-def _reads_target(recipe) -> bool:
-    return any(name != "sequence_ce" for name in recipe.distill.losses)
 
 
 def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Path, on_checkpoint=None):
@@ -188,12 +211,13 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
             # gradient is sum(all tokens) / global_tokens.
             scale = section.grad_accum * world / max(global_tokens, 1.0)
 
-            # Target signal, draft forward, loss terms (batch_losses), then backward, for each micro-batch.
             sums = {}
             for b in micro:
                 with accelerator.accumulate(draft):
                     with accelerator.autocast():
-                        terms = batch_losses(recipe, draft, target, b, device, on_policy, cached=cached, restrict=restrict)
+                        signal = target_signal(recipe, target, b, device, on_policy, cached)  # under no_grad, or cached
+                        drafted = draft_forward(draft, b, device, section.loss_chunk_size)
+                        terms = loss_terms(section, drafted, signal, b, on_policy, restrict)
                     accelerator.backward(sum(terms.values()) * scale)
                     for name, value in terms.items():
                         sums[name] = sums.get(name, 0.0) + value.detach().float()

@@ -78,8 +78,8 @@ class JSD:
 
 
 class TVD:
-    """Total variation 1/2 sum_x |p - q| = 1 - alpha, the acceptance probability's complement (Leviathan et al.
-    2023, Corollary 3.6): minimising it maximises acceptance directly."""
+    """Total variation 1/2 sum_x |p - q| = 1 - beta, the acceptance probability's complement (Leviathan et al. 2023,
+    section 3: beta = 1 - D_LK(p, q)): minimising it maximises acceptance directly."""
 
     @staticmethod
     def value(log_p, log_q, p, q, **_):

@@ -7,6 +7,9 @@ uniformly over the other tokens (`topk_to_logprobs`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from train.batches import Batch
@@ -97,26 +100,32 @@ def last_hidden(model, batch: Batch, device) -> torch.Tensor:
     return captured[-1][:, batch.first:-1]
 
 
-def target_rows(kind: str, *, target, batch: Batch, keep: torch.Tensor, device, vocab: int,
-                restrict: DraftVocab | None, cached=None, chunk_size: int = 0):
-    """The target's logits (or log-probs) at the micro-batch's N loss positions, as `rows(lo, hi) -> (1, hi-lo, V)`,
-    and the vocabulary both sides are compared over; `(None, vocab)` for `kind` "none".
+@dataclass
+class TargetSignal:
+    """The target's side of one micro-batch's loss, at its N loss positions."""
 
-    `kind`: "online" (a forward pass under no_grad, the model's own head), "cached" (`cached = (topk_ids,
-    topk_logprobs)` of the generate stage, rebuilt chunk by chunk) or "none". `keep` (B, T): the loss positions.
+    rows: Callable | None
+    """`rows(lo, hi, vocab, restrict) -> (1, hi - lo, V)`: logits or log-probs of loss positions lo..hi-1 over the
+    first `vocab` tokens (or the draft vocabulary's); None: no target signal (sequence_ce alone)."""
+    vocab: int | None = None
+    """The target's head rows (online), which may differ from the draft's; None: any vocabulary (cached, none)."""
+
+
+def target_rows(kind: str, *, target, batch: Batch, device, cached=None) -> TargetSignal:
+    """The target signal of `kind`: "online" (a forward pass under no_grad, the model's own head), "cached"
+    (`cached = (topk_ids, topk_logprobs)` of the generate stage, rebuilt chunk by chunk) or "none".
+
     Cached rows are log-probs at temperature 1; the losses divide them by the training temperature, which gives
     p^(1/T) renormalised, the tempered distribution.
     """
     if kind == "none":
-        return None, vocab
+        return TargetSignal(None)
     if kind == "cached":
         topk_ids, topk_lp = masked_topk(batch, *cached)
-        return (lambda lo, hi: topk_to_logprobs(topk_ids[lo:hi], topk_lp[lo:hi], vocab, restrict)[None].to(device)), vocab
+        return TargetSignal(lambda lo, hi, vocab, restrict: topk_to_logprobs(topk_ids[lo:hi], topk_lp[lo:hi], vocab,
+                                                                             restrict)[None].to(device))
     if kind != "online":
         raise ValueError(f"target signal must be online, cached or none, got {kind!r}")
     with torch.no_grad():
-        logits = model_logits(target, batch, device)[keep][None]  # (1, N, V_target)
-    # Same tokenizer, but the embedding matrices may be padded to different sizes (Qwen2.5 0.5B has 151936
-    # rows, 7B 152064): compare the rows both have; the rest are padding no text uses.
-    vocab = min(vocab, logits.shape[-1])
-    return (lambda lo, hi: columns(logits[:, lo:hi], vocab, restrict)), vocab
+        logits = model_logits(target, batch, device)[batch.positions.to(device)][None]  # (1, N, V_target)
+    return TargetSignal(lambda lo, hi, vocab, restrict: columns(logits[:, lo:hi], vocab, restrict), logits.shape[-1])
