@@ -4,7 +4,7 @@ For each loss (forward_kl, reverse_kl, jsd, tvd, sequence_ce), with and without 
 sequence, and with the online vs the cached (top-k) target signal: training tokens/s and peak memory
 of one optimizer step on the default target (vocabulary 49152) and a draft of its layers (embeddings
 and head frozen, as in the default recipe), through
-the same `batch_losses` the distill loop runs. Each configuration runs in its own process so that
+`batch_losses`: the target signal, draft forward and loss terms of the distill step. Each configuration runs in its own process so that
 peak memory is its own: CUDA max_memory_allocated on a GPU; on CPU the peak resident memory sampled
 every 0.5 ms during the timed steps, over what the process held before them (models, batch and
 optimizer state, created by a warm-up step, are the baseline). `--draft-vocab N` trains over a reduced
