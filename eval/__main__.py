@@ -9,7 +9,7 @@ import torch
 
 from eval.draft_vocab import FILENAME, load_draft_vocab
 from eval.report import evaluate_pair, summary_text
-from eval.settings import EvalSettings, FieldError
+from eval.settings import COMPILE_MODES, EvalSettings, FieldError
 from eval.errors import UserError, cli_main
 from eval.models import check_model_vocab, check_same_tokenizer, load_model, load_tokenizer, pick_device
 from eval.prompts import eval_prompt_set, spread
@@ -48,7 +48,7 @@ def parse_args(argv=None):
     parser.add_argument("--top-p", type=float, default=DEFAULTS.top_p)
     parser.add_argument("--fallback-window", type=int, default=DEFAULTS.fallback_window)
     parser.add_argument("--fallback-threshold", type=float, default=DEFAULTS.fallback_threshold)
-    parser.add_argument("--compile", default=DEFAULTS.compile, choices=["auto", "on", "off"],
+    parser.add_argument("--compile", default=DEFAULTS.compile, choices=COMPILE_MODES,
                         help="decode with a static KV cache and compiled steps (on), eagerly (off), or whichever "
                              "measured faster on this device (auto, default)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eval.settings import COMPILE_MODES
 from eval.speculative import CachedLM
-
-MODES = ("auto", "on", "off")
 
 
 def compile_supported(device: torch.device) -> str | None:
@@ -56,7 +55,6 @@ class StaticLM(CachedLM):
         self.max_verify = max_verify
         super().__init__(model, vocab_size, token_ids)
         self.compiled = compiled
-        self.compile_seconds = 0.0
         self.step_one, self.step_many = self._step_one, self._step_many
         if compiled:
             # Each checkpoint's draft is a new graph of the same code; the default of 8 would fall back to eager.
@@ -115,7 +113,6 @@ class StaticLM(CachedLM):
         self.reset()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.compile_seconds += time.perf_counter() - start
         return time.perf_counter() - start
 
 
@@ -169,8 +166,8 @@ def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: 
     from eval.metrics import measure_costs
     from eval.packed import packed_linears
 
-    if mode not in MODES:
-        raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     if mode == "off":
         return Decoders(target, draft, compiled=False, requested=mode)
     device = next(target.parameters()).device

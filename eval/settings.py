@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from typing import Literal, Union
 
 
+COMPILE_MODES = ("auto", "on", "off")
+"""`eval.compile`: whichever measured faster here, compiled, eager."""
+
+
 class FieldError(ValueError):
     """Raised inside a settings dataclass; the caller says where the key came from."""
 
@@ -61,7 +65,7 @@ class EvalSettings:
     def __post_init__(self):
         if isinstance(self.compile, bool):
             self.compile = "on" if self.compile else "off"
-        check(self.compile in ("auto", "on", "off"), "compile", f"must be auto, on or off, got {self.compile!r}")
+        check(self.compile in COMPILE_MODES, "compile", f"must be auto, on or off, got {self.compile!r}")
         check(self.k >= 1, "k", f"must be >= 1, got {self.k}")
         check_temperatures(self.temperatures, "temperatures")
         for key in ("max_new_tokens", "num_prompts", "fallback_window"):

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eval.compiled import no_recompiles, prepare_decoders  # noqa: E402
+from eval.settings import COMPILE_MODES  # noqa: E402
 from eval.draft_vocab import load_draft_vocab, restricted_head  # noqa: E402
 from eval.metrics import per_token_speedup  # noqa: E402
 from eval.packed import packed_linears  # noqa: E402
@@ -54,7 +55,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--draft-dtype", default="bfloat16")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--compile", default="auto", choices=COMPILE_MODES)
     parser.add_argument("--out", default="runs/bench/bench_draft_length.json")
     args = parser.parse_args()
 
