@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -116,18 +116,22 @@ class StaticLM(CachedLM):
         return time.perf_counter() - start
 
 
-_LMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-"""One `StaticLM` per model and process, so a target measured at every checkpoint is compiled once."""
+_LMS: "OrderedDict[object, StaticLM]" = OrderedDict()
+"""The process's `StaticLM`s, most recently used last: the target, measured at every checkpoint, is compiled
+once; a checkpoint's draft is dropped (with its cache and graphs) once two newer models have been used."""
+_KEEP = 2
 
 
 def static_lm(model, vocab_size: int, token_ids: torch.Tensor | None, *, max_length: int, max_verify: int) -> StaticLM:
     """The process's compiled `StaticLM` of `model`, built (or rebuilt, when it is too small) on demand."""
-    lm = _LMS.get(model)
+    lm = _LMS.pop(model, None)
     same_head = lm is not None and (lm.token_ids is None) == (token_ids is None) and (
         token_ids is None or torch.equal(lm.token_ids, token_ids))
     if not (same_head and lm.vocab_size == vocab_size and lm.max_length >= max_length and lm.max_verify >= max_verify):
         lm = StaticLM(model, vocab_size, token_ids, max_length=max_length, max_verify=max_verify)
-        _LMS[model] = lm
+    _LMS[model] = lm
+    while len(_LMS) > _KEEP:
+        _LMS.popitem(last=False)
     return lm
 
 

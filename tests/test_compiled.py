@@ -3,13 +3,15 @@ compiled steps, and the same outputs and statistics as eager decoding."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
 
 from conftest import StubDraft, make_model, trained_draft
-from eval.compiled import StaticLM, compile_supported, prepare_decoders
+from eval.compiled import StaticLM, compile_supported, prepare_decoders, static_lm
 from eval.speculative import CachedLM, Sampling, speculative_decode, vanilla_decode
 
 V = 64
@@ -131,6 +133,23 @@ def test_prepare_decoders_modes(models):
     assert auto.compiled == (faster == "compiled") and isinstance(auto.target, CachedLM) == auto.compiled
     with pytest.raises(ValueError, match="compile must be one of"):
         prepare_decoders(target, drafts["random"], "yes", **kwargs)
+
+
+def test_the_target_stays_compiled_and_an_old_draft_is_released(models):
+    """Evaluating checkpoint after checkpoint: the target's StaticLM is reused, and a draft two models back is
+    dropped with its cache rather than kept for the whole process."""
+    target, _ = models
+    sizes = dict(max_length=MAX_LENGTH, max_verify=4)
+    target_lm = static_lm(target, V, None, **sizes)
+    old = make_model(V, layers=1, hidden=32, seed=11)
+    old_lm = weakref.ref(static_lm(old, V, None, **sizes))
+    for seed in (12, 13):  # two later checkpoints' drafts, each after the target, as prepare_decoders asks
+        assert static_lm(target, V, None, **sizes) is target_lm
+        static_lm(make_model(V, layers=1, hidden=32, seed=seed), V, None, **sizes)
+    del old
+    gc.collect()
+    assert old_lm() is None
+    assert static_lm(target, V, None, **sizes) is target_lm
 
 
 def test_eval_command_with_compile_on(tmp_path, tiny_target_dir, tiny_draft_dir, capsys):
