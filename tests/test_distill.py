@@ -143,6 +143,20 @@ def test_accumulation_gives_the_same_training_as_a_bigger_batch(tmp_path, genera
     assert_weights_close(weights(a_dir, 6), weights(b_dir, 6))
 
 
+def test_distill_seed_repeats_the_training_run_alone(tmp_path, generated, tiny_target_dir):
+    """distill.seed defaults to the recipe's seed; another value trains differently on the same generated data."""
+    runs = {}
+    for name, kw in {"default": {}, "same": {"seed": 1}, "other": {"seed": 2}}.items():  # the recipe's seed is 1
+        runs[name], recipe = prepared(tmp_path, generated, name, tiny_target_dir, **kw)
+        proc = run_train(recipe)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = {name: [row["train/loss"] for row in steps_logged(run)] for name, run in runs.items()}
+    assert losses["same"] == losses["default"] != losses["other"]
+    assert_weights_close(weights(runs["same"], 6), weights(runs["default"], 6), atol=0)
+    default, other = weights(runs["default"], 6), weights(runs["other"], 6)
+    assert any(not torch.equal(default[key], other[key]) for key in default)
+
+
 def test_two_ddp_processes_match_one_process(tmp_path, generated, tiny_target_dir):
     one_dir, one = prepared(tmp_path, generated, "one", tiny_target_dir, batch_size=2, grad_accum=2)
     two_dir, two = prepared(tmp_path, generated, "two", tiny_target_dir, batch_size=1, grad_accum=2)

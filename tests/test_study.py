@@ -152,6 +152,16 @@ def test_every_study_file_in_recipes_resolves(tmp_path):
         assert len(variants) == len(study.variants) >= 2
 
 
+def test_a_repeat_with_another_training_seed_shares_the_data(tmp_path, tiny_target_dir):
+    """distill.seed changes the training run only; the recipe's seed changes the generated data too."""
+    from train.study import load_study, resolve_variants
+
+    path, _ = write_study(tmp_path, tiny_target_dir, variants={"a": [], "a_seed2": ["distill.seed=2"], "b": ["seed=2"]})
+    study, base, run_dir = load_study(path)
+    keys = {v.name: v.data_key for v in resolve_variants(study, base, run_dir)}
+    assert keys["a"] == keys["a_seed2"] != keys["b"]
+
+
 def test_a_key_added_since_a_variant_ran_is_no_difference():
     """A finished variant's stored recipe lacks keys a newer version added (their defaults apply); any stored key
     that changed, in a section or a whole value such as the losses, is a difference."""

@@ -177,7 +177,7 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
     vocab_ids = prepare_draft_vocab(recipe, run_dir, tokenizer, dataset, accelerator)
     restrict = None if vocab_ids is None else DraftVocab.of(vocab_ids, len(tokenizer), device)
 
-    torch.manual_seed(recipe.seed)
+    torch.manual_seed(recipe.train_seed)
     draft, optimizer, scheduler = prepare_draft(recipe, accelerator, draft)
     target = prepare_target(accelerator, target) if (section.target_signal == "online" or section.on_policy_lambda > 0) else None
     stage = zero_stage(accelerator)
@@ -199,12 +199,12 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
             t0 = time.perf_counter()
             # This process's micro-batches; on a seeded draw (the same on every process) the draft writes them.
             micro = micro_batches(examples, step, batch_size=section.batch_size, grad_accum=section.grad_accum, world=world,
-                                  rank=rank, seed=recipe.seed, pad_id=tokenizer.pad_token_id)
-            gen = torch.Generator().manual_seed(recipe.seed * 7_919 + step)
+                                  rank=rank, seed=recipe.train_seed, pad_id=tokenizer.pad_token_id)
+            gen = torch.Generator().manual_seed(recipe.train_seed * 7_919 + step)
             on_policy = section.on_policy_lambda > 0 and torch.rand((), generator=gen).item() < section.on_policy_lambda
             if on_policy:
                 micro = [on_policy_batch(accelerator.unwrap_model(draft), b, tokenizer, recipe.generate.max_new_tokens,
-                                         section.temperature, seed=recipe.seed * 1_000_003 + step * 131 + a * 7 + rank,
+                                         section.temperature, seed=recipe.train_seed * 1_000_003 + step * 131 + a * 7 + rank,
                                          synced_gpus=stage == 3 and world > 1) for a, b in enumerate(micro)]
             global_tokens = accelerator.reduce(torch.tensor(float(sum(b.tokens for b in micro)), device=device), "sum").item()
             # accelerate divides by grad_accum, DDP/DeepSpeed average over processes: undo both so the

@@ -97,7 +97,7 @@ def build_draft(recipe, target, target_tokenizer, device=None):
         draft = draft_from_layers(target, spec.layers)
         name = f"{recipe.target.model}[layers {','.join(str(i) for i in spec.layers)}]"
     else:
-        draft = draft_from_config(target, spec.config, recipe.seed)
+        draft = draft_from_config(target, spec.config, recipe.train_seed)
         name = f"{recipe.target.model}[config]"
     return cast_weights(draft.to(device or target.device), serving_dtype(recipe, target)).eval(), name
 

@@ -202,6 +202,10 @@ class DistillSection:
     """Keep the newest N checkpoints, plus the best measured one (0: keep all)."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """`auto`: bf16 autocast on a GPU with bf16 and on a CPU with native bf16 (avx512_bf16, AMX), else none."""
+    seed: Optional[int] = None
+    """The training run's seed (data order, on-policy draws, a `config` draft's initial weights); null: the
+    recipe's `seed`. Another value on the same generated data repeats the training run alone, which is how a
+    study measures the run-to-run spread."""
     freeze_embeddings: bool = False
     """Keep the draft's input embeddings and output head fixed (with `init: layers` they are the target's own;
     training only the layers between them is cheaper and keeps the head aligned with the target's)."""
@@ -269,6 +273,11 @@ class Recipe:
         check(bool(self.name) and "/" not in self.name, "name", "expected a non-empty name without '/'")
         for stage in self.stages:
             check(stage in STAGES, "stages", f"unknown stage '{stage}'; expected some of {', '.join(STAGES)}")
+
+    @property
+    def train_seed(self) -> int:
+        """The seed of the distill stage (`distill.seed`, else `seed`)."""
+        return self.seed if self.distill.seed is None else self.distill.seed
 
     @property
     def run_dir(self) -> Path:
