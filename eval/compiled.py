@@ -12,6 +12,12 @@ pass over 2..`max_verify` tokens (one graph, dynamic in the token count; CUDA gr
 once). The draft catches up on the two tokens it has not seen after a fully accepted round with two
 one-token steps, as gpt-fast does. The prefill (a whole prompt) runs eagerly on the same cache.
 
+On a CPU the steps can be compiled with inductor's `freezing` (its CPU inference recipe; `freeze=True`,
+off by default, see `FREEZE_ON_CPU`): the weights are folded in as constants and the linear layers' weights
+prepacked for oneDNN once, where an unfrozen step reads them as inputs and a float32 matmul lays each
+weight out again on every call. Frozen steps keep copies of the weights, so a model changed in place since
+is compiled again (`static_lm` checks the tensors' versions).
+
 The numerics are those of the compiled kernels, for vanilla and speculative decoding alike, so compiled is
 compared with compiled; exactness does not depend on them (the greedy equality and the sampling test run
 in this mode too, tests/test_compiled.py).
@@ -45,23 +51,48 @@ def compile_supported(device: torch.device) -> str | None:
     return None
 
 
+FREEZE_ON_CPU = False
+"""Compile CPU steps with inductor's `freezing` by default. Off: on the development CPU the frozen verify pass
+was cheaper but whole requests were slower (`scripts/bench_decoder.py --modes compiled,compiled-frozen`;
+docs/eval.md)."""
+
+
+def weights_version(model) -> int:
+    """Changes whenever a parameter or buffer of `model` is modified in place (its tensors' version counters)."""
+    return sum(t._version for t in (*model.parameters(), *model.buffers()))
+
+
 class StaticLM(CachedLM):
     """`CachedLM` with a static cache of `max_length` positions and compiled steps (`compiled=False`: the same
     cache, eager steps). `max_verify`: the longest verify pass (k + 1)."""
 
     def __init__(self, model, vocab_size: int, token_ids: torch.Tensor | None = None, *, max_length: int,
-                 max_verify: int = 9, compiled: bool = True):
+                 max_verify: int = 9, compiled: bool = True, freeze: bool | None = None):
         self.max_length = max_length
         self.max_verify = max_verify
         super().__init__(model, vocab_size, token_ids)
         self.compiled = compiled
+        self.frozen = compiled and self.would_freeze(model, freeze)
+        self.weights_version = weights_version(model)
         self.step_one, self.step_many = self._step_one, self._step_many
+        self._tracing = contextlib.nullcontext
         if compiled:
             # Each checkpoint's draft is a new graph of the same code; the default of 8 would fall back to eager.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs on a GPU
-            self.step_one = torch.compile(self._step_one, mode=mode, fullgraph=True, dynamic=False)
-            self.step_many = torch.compile(self._step_many, mode=mode, fullgraph=True, dynamic=True)
+            if self.device.type == "cuda":
+                how = {"mode": "reduce-overhead"}  # CUDA graphs
+            else:  # inductor's CPU inference recipe: weights folded in as constants, linear weights prepacked
+                how = {"options": {"freezing": True}} if self.frozen else {}
+                # Dynamo reads the flag itself while tracing (it makes the parameters constants): see _call.
+                self._tracing = (lambda: torch._inductor.config.patch(freezing=True)) if self.frozen else contextlib.nullcontext
+            self.step_one = torch.compile(self._step_one, fullgraph=True, dynamic=False, **how)
+            self.step_many = torch.compile(self._step_many, fullgraph=True, dynamic=True, **how)
+
+    @staticmethod
+    def would_freeze(model, freeze: bool | None = None) -> bool:
+        """Whether compiled steps of `model` fold its weights in (`freeze`; None: `FREEZE_ON_CPU` on a CPU)."""
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        return on_cpu and (FREEZE_ON_CPU if freeze is None else freeze)
 
     def new_cache(self):
         from transformers import StaticCache
@@ -95,7 +126,8 @@ class StaticLM(CachedLM):
         if self.compiled and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
             return step(ids).clone()  # a CUDA graph's output is overwritten by its next replay
-        return step(ids)
+        with self._tracing():
+            return step(ids)
 
     @torch.no_grad()
     def warm_up(self, prompt_ids: list[int]) -> float:
@@ -122,13 +154,22 @@ once; a checkpoint's draft is dropped (with its cache and graphs) once two newer
 _KEEP = 2
 
 
-def static_lm(model, vocab_size: int, token_ids: torch.Tensor | None, *, max_length: int, max_verify: int) -> StaticLM:
-    """The process's compiled `StaticLM` of `model`, built (or rebuilt, when it is too small) on demand."""
+def static_lm(model, vocab_size: int, token_ids: torch.Tensor | None, *, max_length: int, max_verify: int,
+              freeze: bool | None = None) -> StaticLM:
+    """The process's compiled `StaticLM` of `model`, built (or rebuilt: too small, another head or `freeze`, or
+    frozen weights changed since) on demand."""
     lm = _LMS.pop(model, None)
+    if lm is not None and lm.frozen != StaticLM.would_freeze(model, freeze):
+        lm = None
+    if lm is not None and lm.frozen and lm.weights_version != weights_version(model):
+        # Frozen steps hold copies of the weights, and dynamo's guards would hand the new steps the same
+        # compiled code: start every compilation afresh (the pipeline never gets here: it measures copies).
+        torch._dynamo.reset()
+        lm = None
     same_head = lm is not None and (lm.token_ids is None) == (token_ids is None) and (
         token_ids is None or torch.equal(lm.token_ids, token_ids))
     if not (same_head and lm.vocab_size == vocab_size and lm.max_length >= max_length and lm.max_verify >= max_verify):
-        lm = StaticLM(model, vocab_size, token_ids, max_length=max_length, max_verify=max_verify)
+        lm = StaticLM(model, vocab_size, token_ids, max_length=max_length, max_verify=max_verify, freeze=freeze)
     _LMS[model] = lm
     while len(_LMS) > _KEEP:
         _LMS.popitem(last=False)
@@ -160,13 +201,13 @@ class Decoders:
 
 
 def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: torch.Tensor | None,
-                     probe_ids: list[int], max_length: int, k: int) -> Decoders:
+                     probe_ids: list[int], max_length: int, k: int, freeze: bool | None = None) -> Decoders:
     """Pick eager or compiled decoding for `mode` (`eval.compile`), compiling (outside any timing) when needed.
 
     `auto` compiles, then times one draft token and one target token both ways (`measure_costs`, eager with
     packed linears as the eager eval runs) and keeps the faster (smaller t_draft + t_target(1)); where
     compiling cannot run (`compile_supported`) it decodes eagerly and says why. `max_length`: the longest
-    request (prompt + new tokens); `k`: the most draft tokens a round."""
+    request (prompt + new tokens); `k`: the most draft tokens a round; `freeze`: `StaticLM`'s."""
     from eval.metrics import measure_costs
     from eval.packed import packed_linears
 
@@ -181,7 +222,7 @@ def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: 
             raise RuntimeError(f"compiled decoding cannot run on {device}: {reason}")
         return Decoders(target, draft, compiled=False, requested=mode, note=f"eager: {reason}")
     k_max = max(8, k)
-    sizes = dict(max_length=max_length + k_max + 2, max_verify=k_max + 1)
+    sizes = dict(max_length=max_length + k_max + 2, max_verify=k_max + 1, freeze=freeze)
     target_lm = static_lm(target, vocab_size, None, **sizes)
     draft_lm = static_lm(draft, vocab_size, draft_vocab, **sizes)
     seconds = target_lm.warm_up(probe_ids) + draft_lm.warm_up(probe_ids)

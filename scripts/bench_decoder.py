@@ -6,7 +6,9 @@ times in one run, on the same prompts:
 
 - our vanilla and speculative decoding in each decoder mode: `eager` (a DynamicCache; plain linear layers),
   on a CPU also `packed` (eager with oneDNN-packed linears, what the eager eval runs), and `compiled` (a static
-  KV cache and compiled steps, CUDA graphs on a GPU: eval/compiled.py, `eval.compile: on`);
+  KV cache and compiled steps, CUDA graphs on a GPU: eval/compiled.py, `eval.compile: on`), and on a CPU
+  `compiled-frozen` (the same with inductor's freezing: weights folded in as constants and prepacked for
+  oneDNN, where `compiled` reads them as inputs and a float32 matmul lays them out again on each call);
 - transformers' `generate()` as a serving user would compare: eager, and with `cache_implementation="static"`
   (compiled; the vanilla baseline of a compiled stack), and assisted generation (`assistant_model=`, same k).
 
@@ -82,8 +84,9 @@ def hf_generate(target, ids, max_new_tokens, eos, *, static=False, draft=None, k
 
 
 def bench_mode(mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla):
-    compile_mode = "on" if mode == "compiled" else "off"
+    compile_mode = "on" if mode.startswith("compiled") else "off"
     decoders = prepare_decoders(target, draft, compile_mode, vocab_size=vocab, draft_vocab=sub_ids, probe_ids=prompts[0],
+                                freeze=True if mode == "compiled-frozen" else None,
                                 max_length=max(map(len, prompts)) + args.max_new_tokens, k=args.k)
     packed = mode == "packed"
     with packed_linears(target, enabled=packed), packed_linears(draft, enabled=packed), no_recompiles(decoders.compiled):
@@ -143,7 +146,7 @@ def main():
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16"], help="default: --dtype")
-    parser.add_argument("--modes", default=None, help="comma-separated of eager,packed,compiled (default: all the device has)")
+    parser.add_argument("--modes", default=None, help="comma-separated of eager,packed,compiled,compiled-frozen (default: all the device has)")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' generate() baselines")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default="runs/bench/bench_decoder.json")
@@ -151,7 +154,9 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    modes = args.modes.split(",") if args.modes else (["eager", "packed", "compiled"] if device.type == "cpu" else ["eager", "compiled"])
+    modes = args.modes.split(",") if args.modes else (["eager", "packed", "compiled", "compiled-frozen"] if device.type == "cpu" else ["eager", "compiled"])
+    if set(modes) - {"eager", "packed", "compiled", "compiled-frozen"}:
+        parser.error(f"--modes: unknown mode in {args.modes!r}; expected eager, packed, compiled, compiled-frozen")
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, dtype=args.dtype, device=device).eval()
     if args.draft:

@@ -152,6 +152,33 @@ def test_the_target_stays_compiled_and_an_old_draft_is_released(models):
     assert static_lm(target, V, None, **sizes) is target_lm
 
 
+def test_frozen_steps_are_rebuilt_when_the_weights_change():
+    """Frozen compiled steps (inductor's freezing, freeze=True) fold the weights in: a model changed in place
+    gets new steps, since the old ones would go on computing with the old weights."""
+    model = make_model(V, layers=1, hidden=32, seed=21)
+    sizes = dict(max_length=MAX_LENGTH, max_verify=4)
+    ids = PROMPTS[1]
+
+    @torch.no_grad()  # as decoding runs: inductor freezes inference graphs only
+    def last_three(lm):  # the prefix eagerly, then the last three tokens through the compiled verify step
+        lm.reset()
+        lm.forward(ids[:-3], keep=1)
+        return lm.forward(ids[-3:], keep=3)
+
+    lm = static_lm(model, V, None, **sizes, freeze=True)
+    assert lm.frozen and static_lm(model, V, None, **sizes, freeze=True) is lm
+    last_three(lm)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+        expected = model(torch.tensor([ids])).logits[0, -3:]
+    assert not torch.allclose(last_three(lm), expected, atol=1e-3)  # the old steps compute with the old weights
+    new = static_lm(model, V, None, **sizes, freeze=True)
+    assert new is not lm and new.frozen
+    torch.testing.assert_close(last_three(new), expected, atol=1e-4, rtol=1e-4)
+    unfrozen = static_lm(model, V, None, **sizes, freeze=False)
+    assert not unfrozen.frozen and unfrozen is not new
+
+
 def test_eval_command_with_compile_on(tmp_path, tiny_target_dir, tiny_draft_dir, capsys):
     from eval.__main__ import main as eval_main
 

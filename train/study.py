@@ -365,6 +365,10 @@ def plot_study(result: dict, path: Path) -> None:
             for x, y, name in zip(xs, ys, names):
                 axes[2].annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         axes[2].set(xlabel="generated training tokens", ylabel="alpha", title="alpha against training data")
+        axes[2].set_xscale("log")  # data sizes grow by factors: 60k, 220k, 660k tokens
+        axes[2].xaxis.set_major_formatter(lambda x, _: f"{x / 1000:,.0f}k")
+        axes[2].xaxis.set_minor_formatter(lambda x, _: "")
+        axes[2].margins(x=0.15)
     else:  # one data set for all: where each variant's alpha comes from instead
         t = temps[0]
         domains = sorted({d for r in rows for d in r["alpha_by_domain"].get(t, {})})
