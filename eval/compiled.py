@@ -156,24 +156,30 @@ _KEEP = 2
 
 def static_lm(model, vocab_size: int, token_ids: torch.Tensor | None, *, max_length: int, max_verify: int,
               freeze: bool | None = None) -> StaticLM:
-    """The process's compiled `StaticLM` of `model`, built (or rebuilt: too small, another head or `freeze`, or
-    frozen weights changed since) on demand."""
+    """The process's compiled `StaticLM` of `model`, built (or rebuilt where `_serves` says the kept one cannot
+    serve) on demand."""
     lm = _LMS.pop(model, None)
-    if lm is not None and lm.frozen != StaticLM.would_freeze(model, freeze):
-        lm = None
     if lm is not None and lm.frozen and lm.weights_version != weights_version(model):
         # Frozen steps hold copies of the weights, and dynamo's guards would hand the new steps the same
         # compiled code: start every compilation afresh (the pipeline never gets here: it measures copies).
         torch._dynamo.reset()
         lm = None
-    same_head = lm is not None and (lm.token_ids is None) == (token_ids is None) and (
-        token_ids is None or torch.equal(lm.token_ids, token_ids))
-    if not (same_head and lm.vocab_size == vocab_size and lm.max_length >= max_length and lm.max_verify >= max_verify):
+    if lm is None or not _serves(lm, model, vocab_size, token_ids, max_length, max_verify, freeze):
         lm = StaticLM(model, vocab_size, token_ids, max_length=max_length, max_verify=max_verify, freeze=freeze)
     _LMS[model] = lm
     while len(_LMS) > _KEEP:
         _LMS.popitem(last=False)
     return lm
+
+
+def _serves(lm: StaticLM, model, vocab_size: int, token_ids: torch.Tensor | None, max_length: int, max_verify: int,
+            freeze: bool | None) -> bool:
+    """Whether `lm`, built earlier for `model`, serves these settings: the same head (vocabulary size and draft
+    token ids), a cache and verify pass at least as long, and the same freezing."""
+    same_head = lm.vocab_size == vocab_size and (lm.token_ids is None) == (token_ids is None) and (
+        token_ids is None or torch.equal(lm.token_ids, token_ids))
+    return (same_head and lm.max_length >= max_length and lm.max_verify >= max_verify
+            and lm.frozen == StaticLM.would_freeze(model, freeze))
 
 
 def no_recompiles(compiled: bool):
