@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -206,14 +207,28 @@ class Decoders:
                 "compile_seconds": self.compile_seconds, "note": self.note, "costs": self.costs}
 
 
+_AUTO: "weakref.WeakKeyDictionary[object, tuple[bool, str]]" = weakref.WeakKeyDictionary()
+"""auto's decision per target (compiled, why) for the rest of the process: every checkpoint of a run is decoded the same way,
+so checkpoints are compared by their drafts, not by which mode a noisy measurement picked for each."""
+
+
+def round_cost(costs) -> float:
+    """What auto compares: one draft token plus a target pass averaged over every length a round can verify
+    (1 to k + 1 tokens; 1 is also vanilla decoding's step). One-token costs alone hide a verify pass that costs
+    twice as much compiled as eagerly, as on a CPU without AVX-512 (docs/eval.md)."""
+    return costs.t_draft + sum(costs.t_target.values()) / len(costs.t_target)
+
+
 def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: torch.Tensor | None,
                      probe_ids: list[int], max_length: int, k: int, freeze: bool | None = None) -> Decoders:
     """Pick eager or compiled decoding for `mode` (`eval.compile`), compiling (outside any timing) when needed.
 
-    `auto` compiles, then times one draft token and one target token both ways (`measure_costs`, eager with
-    packed linears as the eager eval runs) and keeps the faster (smaller t_draft + t_target(1)); where
-    compiling cannot run (`compile_supported`) it decodes eagerly and says why. `max_length`: the longest
-    request (prompt + new tokens); `k`: the most draft tokens a round; `freeze`: `StaticLM`'s."""
+    `auto` compiles, then times a draft token and target passes over 1..k+1 tokens both ways (`measure_costs`,
+    eager with packed linears as the eager eval runs) and keeps the cheaper by `round_cost`; the decision holds
+    for that target for the rest of the process (a later checkpoint's draft is compiled only if it was
+    `compiled`). Where compiling cannot run (`compile_supported`) it decodes eagerly and says why.
+    `max_length`: the longest request (prompt + new tokens); `k`: the most draft tokens a round; `freeze`:
+    `StaticLM`'s."""
     from eval.metrics import measure_costs
     from eval.packed import packed_linears
 
@@ -227,20 +242,27 @@ def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: 
         if mode == "on":
             raise RuntimeError(f"compiled decoding cannot run on {device}: {reason}")
         return Decoders(target, draft, compiled=False, requested=mode, note=f"eager: {reason}")
+    decided = _AUTO.get(target) if mode == "auto" else None
+    if decided is not None and not decided[0]:
+        return Decoders(target, draft, compiled=False, requested=mode, note=decided[1])
     k_max = max(8, k)
     sizes = dict(max_length=max_length + k_max + 2, max_verify=k_max + 1, freeze=freeze)
     target_lm = static_lm(target, vocab_size, None, **sizes)
     draft_lm = static_lm(draft, vocab_size, draft_vocab, **sizes)
     seconds = target_lm.warm_up(probe_ids) + draft_lm.warm_up(probe_ids)
     decoders = Decoders(target_lm, draft_lm, compiled=True, requested=mode, compile_seconds=seconds)
-    if mode == "auto":
+    if decided is not None:
+        decoders.note = decided[1]
+    elif mode == "auto":
         compiled = measure_costs(target_lm, draft_lm, probe_ids, k_max=k_max)
         with packed_linears(target), packed_linears(draft):
             eager = measure_costs(target, draft, probe_ids, k_max=k_max, draft_vocab=draft_vocab)
         decoders.costs = {"eager": eager.to_dict(), "compiled": compiled.to_dict()}
-        per_step = {name: c.t_draft + c.t_target[1] for name, c in (("eager", eager), ("compiled", compiled))}
-        if per_step["eager"] < per_step["compiled"]:
+        per_round = {name: round_cost(c) for name, c in (("eager", eager), ("compiled", compiled))}
+        if per_round["eager"] < per_round["compiled"]:
             decoders.target, decoders.draft, decoders.compiled = target, draft, False
-        decoders.note = (f"auto: one draft + one target token took {1e3 * per_step['compiled']:.1f} ms compiled, "
-                         f"{1e3 * per_step['eager']:.1f} ms eager")
+        decoders.note = (f"auto: a draft token + a target pass over 1..{k_max + 1} tokens (mean) took "
+                         f"{1e3 * per_round['compiled']:.1f} ms compiled, {1e3 * per_round['eager']:.1f} ms eager; "
+                         f"{'compiled' if decoders.compiled else 'eager'} for this target from here on")
+        _AUTO[target] = (decoders.compiled, decoders.note)
     return decoders
