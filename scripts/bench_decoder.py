@@ -21,7 +21,6 @@ issue 15's goals, and writes JSON (default runs/bench/bench_decoder.json). Name 
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,22 +36,10 @@ from eval.packed import packed_linears  # noqa: E402
 from eval.report import eos_ids, format_table  # noqa: E402
 from eval.speculative import speculative_decode, vanilla_decode  # noqa: E402
 from eval.fsutil import atomic_write_json  # noqa: E402
-from eval.models import load_model, load_tokenizer, pick_device  # noqa: E402
+from eval.models import describe_processor, load_model, load_tokenizer, pick_device  # noqa: E402
 from train.models import draft_from_layers  # noqa: E402
 from eval.prompts import builtin_prompts, encode_prompt, spread  # noqa: E402
 from eval.models import DEFAULT_TARGET  # noqa: E402
-
-
-def processor_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _sync(device):
@@ -183,7 +170,7 @@ def main():
 
     print(f"greedy, k={args.k}" + (f" (a round stops at q < {args.draft_confidence})" if args.draft_confidence else "")
           + f", {len(prompts)} independent evaluation prompts, {args.max_new_tokens} new tokens, {device} "
-          f"({processor_name()}), target {args.dtype}, draft {args.draft_dtype or args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+          f"({describe_processor(device)}), target {args.dtype}, draft {args.draft_dtype or args.dtype}, torch {torch.__version__}")
     headers = ["mode", "compile s", "draft ms", "target ms", f"verify {args.k + 1} ms", "c", "alpha", "tau",
                "vanilla ms/tok", "ours ms/tok", "speedup obs", "speedup theo", "greedy ==", "vanilla == eager"]
     print(format_table(headers, [[r["mode"], r["compile_seconds"], r["t_draft_ms"], r["t_target1_ms"], r["t_verify_ms"], r["c"],
@@ -196,7 +183,7 @@ def main():
     for name, value in goals.items():
         print(f"goal {name}: {value}")
     out = atomic_write_json(args.out, {"settings": vars(args) | {"threads_used": torch.get_num_threads()},
-                                       "device": str(device), "processor": processor_name(), "results": rows,
+                                       "device": str(device), "processor": describe_processor(device), "results": rows,
                                        "baselines": baselines, "goals": goals})
     print(f"wrote {out}")
 

@@ -86,6 +86,14 @@ def test_study_shares_data_writes_one_row_per_variant_and_resumes_only_unfinishe
         assert row["by_temperature"]["0.0"]["alpha"] is not None and row["distill_steps"] == 2
         assert row["distill_tokens"] > 0 and row["best_checkpoint"] == "checkpoint-2"
         assert (run_dir / row["variant"] / "export" / "config.json").is_file()
+        # Wall time per stage from the runs' timings.json: the shared data's generate, the variant's own stages.
+        wall = row["wall_seconds"]
+        assert set(wall) == {"generate", "distill", "eval", "export", "total"}
+        assert wall["total"] == pytest.approx(sum(v for k, v in wall.items() if k != "total")) and wall["distill"] > 0
+    timings = json.loads((run_dir / "fkl" / "timings.json").read_text())["entries"]
+    whats = [e["what"] for e in timings]
+    assert "eval checkpoint-2 (within distill)" in whats and whats[-1].startswith("run: ")
+    assert all(e["seconds"] >= 0 and e["processor"] and e["processes"] == 1 for e in timings)
     sizes = {r["variant"]: r["data"]["completion_tokens"] for r in result["variants"]}
     assert sizes["fkl"] == sizes["rkl"] and sizes["longer_data"] >= sizes["fkl"]
     table = (run_dir / "study.md").read_text()

@@ -6,17 +6,19 @@ they load); rerunning the same command after a crash continues where the run sto
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import time
 from pathlib import Path
 
 import yaml
 
 from eval.draft_vocab import load_draft_vocab
 from eval.errors import UserError
-from eval.fsutil import atomic_write_text
-from eval.models import check_model_vocab, load_model, load_tokenizer, log, num_parameters
+from eval.fsutil import atomic_write_json, atomic_write_text
+from eval.models import check_model_vocab, describe_processor, load_model, load_tokenizer, log, num_parameters
 from train.models import build_draft, cast_weights, serving_dtype
 from train.recipe import Recipe, dump_recipe
 
@@ -52,6 +54,7 @@ def _wandb_offline_unless_logged_in() -> None:
 def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
     from train.dist import make_accelerator, zero_stage
 
+    started = time.perf_counter()
     if recipe.tracking.report_to == "wandb":
         _wandb_offline_unless_logged_in()
     accelerator = make_accelerator(recipe)
@@ -82,41 +85,71 @@ def run(recipe: Recipe, overwrite: bool = False, dry_run: bool = False) -> None:
         start_tracking(recipe, accelerator, run_dir)
     try:
         for stage in recipe.stages:
-            if stage == "generate":
-                from train.generate import run_generate_stage
-
-                if partitioned:
-                    raise UserError("stage 'generate' cannot run under multi-process ZeRO-3 (each process generates "
-                                    "its own shards); run `python -m train RECIPE --stages generate` first, on one "
-                                    "process or with the DDP config, then launch distill under ZeRO-3")
-
-                run_generate_stage(recipe, target, tokenizer, run_dir, accelerator)
-            elif stage == "distill":
-                from train.distill import run_distill_stage
-
-                if partitioned and "eval" in recipe.stages:
-                    log("distill: under ZeRO-3 the target is partitioned, so checkpoints are measured afterwards by "
-                        "`python -m train RECIPE --stages eval` on one process")
-                hook = None if partitioned else _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, run_dir)
-                run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir, on_checkpoint=hook)
-            elif stage == "eval":
-                if partitioned:
-                    log("eval: skipped under multi-process ZeRO-3 (the target is partitioned); measure the checkpoints "
-                        "with `python -m train RECIPE --stages eval` on one process")
-                    continue
-                if accelerator.is_main_process:
-                    _eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir)
-                accelerator.wait_for_everyone()
-            elif stage == "export":
-                if accelerator.is_main_process:
-                    from train.export import run_export_stage
-
-                    final = run_export_stage(recipe, tokenizer, run_dir, draft=draft, dtype=serving_dtype(recipe, target))
-                    if recipe.export.wandb_artifact:
-                        log_model_artifact(recipe, accelerator, final)
-                accelerator.wait_for_everyone()
+            with timed_stage(stage, run_dir, accelerator):
+                _run_stage(stage, recipe, accelerator, target, draft, tokenizer, draft_name, run_dir, partitioned)
+        seconds = time.perf_counter() - started
+        log(f"run: {' -> '.join(recipe.stages)} done in {seconds / 60:.1f} min wall time (models loaded included)")
+        if accelerator.is_main_process:
+            record_time(run_dir, "run: " + " -> ".join(recipe.stages), seconds, accelerator.num_processes)
     finally:
         accelerator.end_training()
+
+
+def _run_stage(stage, recipe, accelerator, target, draft, tokenizer, draft_name, run_dir, partitioned) -> None:
+    """One stage of the recipe; each skips the work a previous run finished."""
+    if stage == "generate":
+        from train.generate import run_generate_stage
+
+        if partitioned:
+            raise UserError("stage 'generate' cannot run under multi-process ZeRO-3 (each process generates "
+                            "its own shards); run `python -m train RECIPE --stages generate` first, on one "
+                            "process or with the DDP config, then launch distill under ZeRO-3")
+
+        run_generate_stage(recipe, target, tokenizer, run_dir, accelerator)
+    elif stage == "distill":
+        from train.distill import run_distill_stage
+
+        if partitioned and "eval" in recipe.stages:
+            log("distill: under ZeRO-3 the target is partitioned, so checkpoints are measured afterwards by "
+                "`python -m train RECIPE --stages eval` on one process")
+        hook = None if partitioned else _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, run_dir)
+        run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir, on_checkpoint=hook)
+    elif stage == "eval":
+        if partitioned:
+            log("eval: skipped under multi-process ZeRO-3 (the target is partitioned); measure the checkpoints "
+                "with `python -m train RECIPE --stages eval` on one process")
+            return
+        if accelerator.is_main_process:
+            _eval_stage(recipe, target, draft, tokenizer, draft_name, run_dir)
+        accelerator.wait_for_everyone()
+    elif stage == "export":
+        if accelerator.is_main_process:
+            from train.export import run_export_stage
+
+            final = run_export_stage(recipe, tokenizer, run_dir, draft=draft, dtype=serving_dtype(recipe, target))
+            if recipe.export.wandb_artifact:
+                log_model_artifact(recipe, accelerator, final)
+        accelerator.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def timed_stage(stage: str, run_dir: Path, accelerator):
+    """Log a finished stage's wall time and append it to RUN/timings.json with the processor (a stage that fails
+    records nothing; a resumed run appends, so the stages of one run are those after its last `generate`)."""
+    start = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - start
+    log(f"{stage}: done in {seconds / 60:.1f} min wall time")
+    if accelerator.is_main_process:
+        record_time(run_dir, stage, seconds, accelerator.num_processes)
+
+
+def record_time(run_dir: Path, what: str, seconds: float, processes: int = 1) -> None:
+    path = Path(run_dir) / "timings.json"
+    timings = json.loads(path.read_text()) if path.exists() else {"entries": []}
+    timings["entries"].append({"what": what, "seconds": round(seconds, 1), "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "processor": describe_processor(), "processes": processes})
+    atomic_write_json(path, timings)
 
 
 def _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, run_dir):
@@ -128,6 +161,7 @@ def _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, ru
 
     def hook(step, path, draft):
         if accelerator.is_main_process:
+            start = time.perf_counter()
             # Measured as it will be served: a copy in the serving dtype (training holds float32 weights).
             served = cast_weights(copy.deepcopy(draft), serving_dtype(recipe, target)).eval()
             report = run_eval_stage(recipe, target, served, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name,
@@ -141,6 +175,7 @@ def _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, ru
                                        step=step)
             summary = summarize(run_dir)
             log(f"eval: best so far {summary['best']}")
+            record_time(run_dir, f"eval {path.name} (within distill)", time.perf_counter() - start, accelerator.num_processes)
         accelerator.wait_for_everyone()
 
     return hook

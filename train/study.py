@@ -245,7 +245,24 @@ def variant_row(variant: Variant, variant_dir: Path) -> dict:
         "distill_tokens": int(sum(s["train/tokens"] for s in steps)),
         # Step time only (the logged tokens/s of each step); checkpoint writing and measuring excluded.
         "distill_seconds": sum(s["train/tokens"] / s["train/tokens_per_s"] for s in steps if s["train/tokens_per_s"]),
+        "wall_seconds": wall_seconds(variant_dir, variant_dir.parent / "_data" / variant.data_key),
     }
+
+
+def wall_seconds(variant_dir: Path, data_dir: Path) -> dict:
+    """Wall time per stage from the runs' timings.json (train/pipeline.py): the shared data's generate stage,
+    then the variant's own stages (distill includes measuring its checkpoints); `total` is their sum, as one
+    `python -m train` of the variant's recipe would take (less loading the models once more). Stages without
+    a record (a run before timings were kept) are left out."""
+    def last(path: Path) -> dict:
+        entries = json.loads(path.read_text())["entries"] if path.is_file() else []
+        return {e["what"]: e["seconds"] for e in entries}  # a resumed stage: its last record
+
+    stages = {"generate": last(data_dir / "timings.json").get("generate")}
+    own = last(variant_dir / "timings.json")
+    stages.update({stage: own.get(stage) for stage in ("distill", "eval", "export")})
+    stages = {k: v for k, v in stages.items() if v is not None}
+    return {**stages, "total": sum(stages.values())} if stages else {}
 
 
 def spread_over_prompts(requests: list[dict]) -> dict:
@@ -312,14 +329,16 @@ def study_markdown(result: dict) -> str:
     rows = result["variants"]
     temps = list(rows[0]["by_temperature"])
     headers = ["variant"] + [f"{name} T={t}" for t in temps for name in ("α", "τ", "speedup")] + [
-        "distill min", "distill tokens", "data tokens", "best", "winner"]
+        "distill min", "distill tokens", "data tokens", "generate min", "wall min", "best", "winner"]
     table = []
     for r in rows:
         cells = [r["variant"]]
         for t in temps:
             m = r["by_temperature"][t]
             cells += [_pm(m["alpha"], m.get("alpha_se")), m["tau"], _pm(m["speedup_observed"], m.get("speedup_observed_se"))]
-        cells += [round(r["distill_seconds"] / 60, 1), r["distill_tokens"], r["data"]["completion_tokens"],
+        wall = r.get("wall_seconds") or {}
+        minutes = [round(wall[key] / 60, 1) if key in wall else "-" for key in ("generate", "total")]
+        cells += [round(r["distill_seconds"] / 60, 1), r["distill_tokens"], r["data"]["completion_tokens"], *minutes,
                   r["best_checkpoint"], "*" if r["variant"] == result["winner"] else ""]
         table.append(cells)
     domains = sorted({d for r in rows for t in temps for d in r["alpha_by_domain"].get(t, {})})
