@@ -182,9 +182,10 @@ def weights(run_dir, step):
     return tensors
 
 
-def assert_weights_close(a, b, atol=2e-5):
-    # Adam divides by sqrt(v): float32 summation-order noise in near-zero gradients shows up at ~1e-6.
-    # A missing gradient sync or a wrong normalisation moves weights by ~lr (1e-3), far above this.
+def assert_weights_close(a, b, atol=2e-4):
+    # Adam divides by sqrt(v): float32 summation-order noise in near-zero gradients shows up at ~1e-6, and
+    # reached 5e-5 in one embedding element of 19,200 (2 DDP processes against 1, AMD EPYC Zen 3, AVX2).
+    # A missing gradient sync or a wrong normalisation moves weights by ~lr (1e-3), 5x this tolerance.
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=atol, rtol=1e-4, msg=lambda m: f"{key}: {m}")
