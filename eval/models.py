@@ -45,14 +45,21 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where it cannot be read)."""
+    fields = {}
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+        pass
+    return fields
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
+    return set(_cpuinfo().get("flags", "").split())
 
 
 def describe_processor(device: torch.device | None = None) -> str:
@@ -61,19 +68,13 @@ def describe_processor(device: torch.device | None = None) -> str:
     extensions, e.g. "AMD EPYC (family 25 model 1), 2 threads, AVX2, no AVX-512"."""
     if (device is None or device.type == "cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(device)
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
     import platform
 
+    fields = _cpuinfo()
     name = fields.get("model name") or platform.processor() or "unknown CPU"
     if "cpu family" in fields and "model" in fields:
         name += f" (family {fields['cpu family']} model {fields['model']})"
-    flags = cpu_flags()
+    flags = set(fields.get("flags", "").split())
     vector = ("AVX-512" + (" with bf16" if "avx512_bf16" in flags else ", no bf16") if "avx512f" in flags
               else "AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
     if "amx_bf16" in flags:
