@@ -158,6 +158,11 @@ def _train(base: Path, overrides: list[str], *options: str, index: int) -> None:
         sys.exit(proc.returncode)
 
 
+def data_dir_of(run_dir: Path, variant: Variant) -> Path:
+    """Where a variant's generated data lives: RUN/_data/<key>, shared by every variant with that key."""
+    return Path(run_dir) / "_data" / variant.data_key
+
+
 def link_data(variant_dir: Path, data_dir: Path) -> None:
     """RUN/<variant>/generate -> the shared RUN/_data/<key>/generate (relative, so the study directory can move)."""
     link = variant_dir / "generate"
@@ -194,7 +199,7 @@ def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False
     for v in variants:
         if v.name in done:
             continue
-        data_dir = run_dir / "_data" / v.data_key
+        data_dir = data_dir_of(run_dir, v)
         if not (data_dir / "generate" / "manifest.json").is_file():
             log(f"study: generating data {v.data_key} (shared by "
                 f"{', '.join(w.name for w in variants if w.data_key == v.data_key)})")
@@ -245,7 +250,7 @@ def variant_row(variant: Variant, variant_dir: Path) -> dict:
         "distill_tokens": int(sum(s["train/tokens"] for s in steps)),
         # Step time only (the logged tokens/s of each step); checkpoint writing and measuring excluded.
         "distill_seconds": sum(s["train/tokens"] / s["train/tokens_per_s"] for s in steps if s["train/tokens_per_s"]),
-        "wall_seconds": wall_seconds(variant_dir, variant_dir.parent / "_data" / variant.data_key),
+        "wall_seconds": wall_seconds(variant_dir, data_dir_of(variant_dir.parent, variant)),
     }
 
 
