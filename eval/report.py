@@ -3,17 +3,22 @@
 `evaluate_pair` runs, for each temperature and prompt, vanilla decoding of the target and
 speculative decoding with the draft back to back (same prompts, same code, one run), then
 aggregates per temperature and per domain (see eval/metrics.py for the conventions).
+
+A vanilla decode depends on the target, the prompt, the settings and the request's seed, never on the
+draft: a process that measures several checkpoints against one target (the pipeline's checkpoint evals)
+decodes each request vanilla once and reuses it, tokens and wall time (`VanillaCache`).
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from eval.compiled import no_recompiles, prepare_decoders
+from eval.compiled import no_recompiles, prepare_decoders, weights_version
 from eval.draft_vocab import restricted_head
 from eval.metrics import (CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, per_token_speedup, predicted_speedup,
                           theory_k)
@@ -70,6 +75,33 @@ def _request_record(prompt: Prompt, temperature: float, settings: EvalSettings, 
     }
 
 
+class VanillaCache:
+    """The vanilla decodes of one target, kept for the rest of the process.
+
+    A request's key is everything its vanilla decode depends on: the decoder mode (compiled kernels have their
+    own numerics), the target's weights (their version counters: a target changed in place is decoded
+    afresh), the prompt, the sampling settings, the token budget, the stop tokens and the seed."""
+
+    _per_target: "weakref.WeakKeyDictionary[object, VanillaCache]" = weakref.WeakKeyDictionary()
+
+    def __init__(self):
+        self.results = {}
+
+    @classmethod
+    def of(cls, target) -> "VanillaCache":
+        return cls._per_target.setdefault(target, cls())
+
+    def decode(self, target, lm, ids: list[int], *, compiled: bool, seed: int, device, **common):
+        """(vanilla result, whether it was reused) for one request; `lm`: what decodes (the target or its StaticLM)."""
+        key = (compiled, weights_version(target), tuple(ids), seed, common["sampling"], common["max_new_tokens"],
+               tuple(common["eos_token_ids"]), common["vocab_size"])
+        if key in self.results:
+            return self.results[key], True
+        result = vanilla_decode(lm, ids, generator=torch.Generator(device).manual_seed(seed), **common)
+        self.results[key] = result
+        return result, False
+
+
 @torch.no_grad()
 def evaluate_pair(
     target,
@@ -86,11 +118,14 @@ def evaluate_pair(
     draft_vocab: list[int] | None = None,
     seed: int = 0,
     max_prompt_tokens: int = 512,
+    reuse_vanilla: bool = True,
 ) -> dict:
     """Decode every prompt at every temperature with and without the draft; return (and write) the report.
 
     `draft_vocab`: token ids the draft's head is restricted to (`eval.draft_vocab`); None: its full head.
     `seed`: every request's sampling seed derives from it; `max_prompt_tokens`: longer prompts keep their end.
+    `reuse_vanilla`: take a request's vanilla decode from an earlier measurement of the same target in this
+    process where there is one (`VanillaCache`); False: decode it again.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate")
@@ -106,7 +141,8 @@ def evaluate_pair(
                                     max_length=max(map(len, encoded)) + settings.max_new_tokens, k=settings.k)
         eager = not decoders.compiled
         with packed_linears(target, enabled=eager), packed_linears(draft, enabled=eager), no_recompiles(decoders.compiled):
-            records, costs = _decode_all(decoders.target, decoders.draft, prompts, encoded, settings, pair, eos, vocab, sub_ids,
+            cache = VanillaCache.of(target) if reuse_vanilla else VanillaCache()
+            records, costs = _decode_all(decoders, cache, target, prompts, encoded, settings, pair, eos, vocab, sub_ids,
                                          device, progress, seed)
 
     report = build_report(records, costs, settings, target_name=target_name, draft_name=draft_name,
@@ -114,14 +150,17 @@ def evaluate_pair(
     report["settings"] |= {"seed": seed, "max_prompt_tokens": max_prompt_tokens}
     report["draft_vocab_size"] = None if draft_vocab is None else len(draft_vocab)
     report["decoder"] = decoders.to_dict()
+    report["vanilla_reused"] = sum(r["vanilla_reused"] for r in records)
     if out_dir is not None:
         write_report(report, records, out_dir, plots=plots)
     return report
 
 
-def _decode_all(target, draft, prompts, encoded, settings: EvalSettings, pair: str, eos, vocab: int, sub_ids, device,
-                progress: bool, seed: int):
-    """Every prompt at every temperature, vanilla then speculative; (records, measured costs)."""
+def _decode_all(decoders, vanilla_cache: VanillaCache, model, prompts, encoded, settings: EvalSettings, pair: str, eos,
+                vocab: int, sub_ids, device, progress: bool, seed: int):
+    """Every prompt at every temperature, vanilla (or its earlier decode from `vanilla_cache`) then speculative;
+    (records, measured costs). `model`: the target model itself, whichever decoder runs it."""
+    target, draft = decoders.target, decoders.draft
     # Warm both models up (first calls allocate), then measure the costs on a real prompt.
     speculative_decode(target, draft, encoded[0], k=settings.k, max_new_tokens=4, vocab_size=vocab, draft_vocab=sub_ids)
     costs = measure_costs(target, draft, encoded[0], k_max=max(8, settings.k), draft_vocab=sub_ids)
@@ -132,13 +171,14 @@ def _decode_all(target, draft, prompts, encoded, settings: EvalSettings, pair: s
         for p_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
             request_seed = seed * 1_000_003 + t_index * 10_007 + p_index
             common = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=eos, vocab_size=vocab)
-            vanilla = vanilla_decode(target, ids, generator=torch.Generator(device).manual_seed(request_seed), **common)
+            vanilla, reused = vanilla_cache.decode(model, target, ids, compiled=decoders.compiled, seed=request_seed,
+                                                   device=device, **common)
             spec = speculative_decode(
                 target, draft, ids, k=settings.k, generator=torch.Generator(device).manual_seed(request_seed),
                 fallback_window=settings.fallback_window, fallback_threshold=settings.fallback_threshold,
                 draft_vocab=sub_ids, confidence=settings.draft_confidence, **common,
             )
-            records.append(_request_record(prompt, temperature, settings, pair, spec, vanilla, costs))
+            records.append(_request_record(prompt, temperature, settings, pair, spec, vanilla, costs) | {"vanilla_reused": reused})
             bar.update(1)
             bar.set_postfix(T=temperature, alpha=f"{spec.alpha or 0:.2f}", tau=f"{spec.tau or 0:.2f}")
     bar.close()
@@ -241,6 +281,9 @@ def summary_text(report: dict) -> str:
     tail = f"max profitable temperature: {_fmt(report['max_profitable_temperature'])}"
     if report["greedy_identical_to_vanilla"] is not None:
         tail += f"   greedy output identical to vanilla: {100 * report['greedy_identical_to_vanilla']:.0f}% of requests"
+    if report.get("vanilla_reused"):
+        tail += (f"\nvanilla decodes (tokens and wall time) of {report['vanilla_reused']} of {report['overall']['requests']} requests "
+                 "reused from an earlier measurement of this target in this process")
     return (
         head + "\n" + format_table(headers, rows) + "\n\n"
         + format_table(domain_headers, domains)

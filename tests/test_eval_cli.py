@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from eval.__main__ import main as eval_main
 from eval.metrics import Costs, expected_tokens, optimal_k, percentile, predicted_speedup
@@ -154,3 +155,39 @@ def test_eval_reads_the_drafts_vocabulary_file_and_rejects_a_bad_one(tmp_path, t
     (draft / "draft_vocab.json").write_text('{"ids": "all"}')
     code, line = run_eval(common + ["--draft", str(draft)], capsys)
     assert code == 2 and "draft_vocab.json" in line and "--full-draft-vocab" in line
+
+
+def test_a_second_checkpoint_reuses_the_targets_vanilla_decodes(monkeypatch, tiny_tokenizer):
+    """Measuring two drafts against one target decodes each request vanilla once: the second report carries the
+    first one's vanilla tokens and times; a target changed in place, or reuse turned off, is decoded afresh."""
+    import eval.report as report_module
+    from eval.prompts import builtin_prompts, spread
+    from eval.settings import EvalSettings
+    from conftest import make_model, trained_draft
+
+    calls = []
+    real = report_module.vanilla_decode
+    monkeypatch.setattr(report_module, "vanilla_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    target = make_model(len(tiny_tokenizer), layers=2, seed=0)
+    prompts = spread(builtin_prompts("held_out"), 3)
+    settings = EvalSettings(k=3, temperatures=[0.0, 1.0], max_new_tokens=10, compile="off")
+
+    def measure(draft, **kw):
+        calls.clear()
+        report = report_module.evaluate_pair(target, draft, tiny_tokenizer, prompts, settings, target_name="t", draft_name="d",
+                                             progress=False, plots=False, **kw)
+        return report, len(calls)
+
+    first, decoded = measure(make_model(len(tiny_tokenizer), layers=1, hidden=32, seed=1))
+    assert decoded == 6 and first["vanilla_reused"] == 0
+    second, decoded = measure(trained_draft(target, steps=5))
+    assert decoded == 0 and second["vanilla_reused"] == 6
+    assert second["greedy_identical_to_vanilla"] == 1.0
+    for t in ("0.0", "1.0"):
+        assert second["by_temperature"][t]["tokens_per_s_vanilla"] == first["by_temperature"][t]["tokens_per_s_vanilla"]
+    _, decoded = measure(trained_draft(target, steps=5), reuse_vanilla=False)
+    assert decoded == 6
+    with torch.no_grad():
+        target.model.norm.weight.mul_(1.5)
+    changed, decoded = measure(trained_draft(target, steps=5))
+    assert decoded == 6 and changed["vanilla_reused"] == 0 and changed["greedy_identical_to_vanilla"] == 1.0
