@@ -26,6 +26,8 @@ in this mode too, tests/test_compiled.py).
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import shutil
 import time
 import weakref
@@ -212,6 +214,59 @@ _AUTO: "weakref.WeakKeyDictionary[object, tuple[bool, str]]" = weakref.WeakKeyDi
 so checkpoints are compared by their drafts, not by which mode a noisy measurement picked for each."""
 
 
+def decisions_path():
+    """Where auto's decisions are remembered between processes: `SPECDISTILL_AUTO_DECISIONS` (empty: nowhere),
+    default compile_auto.json in the cache (`SPECDISTILL_CACHE`)."""
+    from pathlib import Path
+
+    from eval.models import cache_dir
+
+    value = os.environ.get("SPECDISTILL_AUTO_DECISIONS")
+    if value is not None:
+        return Path(value) if value else None
+    return cache_dir() / "compile_auto.json"
+
+
+def decision_key(target, draft, draft_vocab: torch.Tensor | None, k_max: int) -> str:
+    """What auto's measurement depends on: the processor, the torch version, both models' sizes and dtypes, the
+    draft's head and the longest verify pass."""
+    from eval.models import describe_processor
+
+    def shape(model) -> str:
+        first = next(model.parameters())
+        return f"{type(model).__name__} {sum(p.numel() for p in model.parameters())} {str(first.dtype).removeprefix('torch.')}"
+
+    device = next(target.parameters()).device
+    head = "full head" if draft_vocab is None else f"head of {len(draft_vocab)}"
+    return (f"{describe_processor(device)} | torch {torch.__version__} | target {shape(target)} | "
+            f"draft {shape(draft)}, {head} | k<={k_max}")
+
+
+def remembered(key: str) -> dict | None:
+    path = decisions_path()
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get(key)
+    except (ValueError, OSError):  # unreadable: measured again, and rewritten
+        return None
+
+
+def remember(key: str, compiled: bool, note: str) -> None:
+    from eval.fsutil import atomic_write_json
+
+    path = decisions_path()
+    if path is None:
+        return
+    try:
+        decisions = json.loads(path.read_text()) if path.is_file() else {}
+    except (ValueError, OSError):
+        decisions = {}
+    decisions[key] = {"compiled": compiled, "note": note, "decided": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, decisions)
+
+
 def round_cost(costs) -> float:
     """What auto compares: one draft token plus a target pass averaged over every length a round can verify
     (1 to k + 1 tokens; 1 is also vanilla decoding's step). One-token costs alone hide a verify pass that costs
@@ -226,7 +281,9 @@ def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: 
     `auto` compiles, then times a draft token and target passes over 1..k+1 tokens both ways (`measure_costs`,
     eager with packed linears as the eager eval runs) and keeps the cheaper by `round_cost`; the decision holds
     for that target for the rest of the process (a later checkpoint's draft is compiled only if it was
-    `compiled`). Where compiling cannot run (`compile_supported`) it decodes eagerly and says why.
+    `compiled`), and is remembered on disk (`decisions_path`, keyed by `decision_key`) for later processes with the
+    same processor, torch and model shapes, which then compile nothing when it was eager: a study's variants,
+    a rerun. Where compiling cannot run (`compile_supported`) it decodes eagerly and says why.
     `max_length`: the longest request (prompt + new tokens); `k`: the most draft tokens a round; `freeze`:
     `StaticLM`'s."""
     from eval.metrics import measure_costs
@@ -242,10 +299,15 @@ def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: 
         if mode == "on":
             raise RuntimeError(f"compiled decoding cannot run on {device}: {reason}")
         return Decoders(target, draft, compiled=False, requested=mode, note=f"eager: {reason}")
+    k_max = max(8, k)
     decided = _AUTO.get(target) if mode == "auto" else None
+    key = decision_key(target, draft, draft_vocab, k_max) if mode == "auto" else None
+    if mode == "auto" and decided is None and (earlier := remembered(key)) is not None:
+        decided = (earlier["compiled"], f"{earlier['note']} (measured {earlier['decided']} by an earlier process on this "
+                                        f"machine and remembered in {decisions_path()}; delete it to measure again)")
+        _AUTO[target] = decided
     if decided is not None and not decided[0]:
         return Decoders(target, draft, compiled=False, requested=mode, note=decided[1])
-    k_max = max(8, k)
     sizes = dict(max_length=max_length + k_max + 2, max_verify=k_max + 1, freeze=freeze)
     target_lm = static_lm(target, vocab_size, None, **sizes)
     draft_lm = static_lm(draft, vocab_size, draft_vocab, **sizes)
@@ -265,4 +327,5 @@ def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: 
                          f"{1e3 * per_round['compiled']:.1f} ms compiled, {1e3 * per_round['eager']:.1f} ms eager; "
                          f"{'compiled' if decoders.compiled else 'eager'} for this target from here on")
         _AUTO[target] = (decoders.compiled, decoders.note)
+        remember(key, decoders.compiled, decoders.note)
     return decoders

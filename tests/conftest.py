@@ -131,6 +131,13 @@ def _no_inherited_wandb_service():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _own_auto_decisions(tmp_path, monkeypatch):
+    """`eval.compile: auto` remembers its decisions on disk (eval/compiled.py): each test, and the commands it
+    runs, starts with none and leaves the user's cache alone."""
+    monkeypatch.setenv("SPECDISTILL_AUTO_DECISIONS", str(tmp_path / "compile_auto.json"))
+
+
 # ---------------------------------------------------------------------------- runs of the real commands (subprocesses)
 
 

@@ -143,6 +143,35 @@ def test_prepare_decoders_modes(models):
         prepare_decoders(target, drafts["random"], "yes", **kwargs)
 
 
+def test_autos_decision_is_remembered_for_later_processes(models, monkeypatch):
+    """auto's decision is written to disk under a key of processor, torch and model shapes; a later process (here:
+    the per-process decisions cleared) takes it without measuring, and compiles nothing when it was eager."""
+    import eval.compiled as compiled
+
+    target, drafts = models
+    kwargs = dict(vocab_size=V, draft_vocab=None, probe_ids=PROMPTS[1], max_length=40, k=3)
+    target = make_model(V, layers=2, seed=5)  # a target no other test has decided for
+    first = prepare_decoders(target, drafts["random"], "auto", **kwargs)
+    key = compiled.decision_key(target, drafts["random"], None, 8)
+    assert "family" in key or "threads" in key
+    saved = json.loads(compiled.decisions_path().read_text())
+    assert saved[key]["compiled"] == first.compiled and saved[key]["note"] == first.note
+    compiled._AUTO.clear()  # a new process
+    later = prepare_decoders(target, drafts["trained"], "auto", **kwargs)
+    assert later.compiled == first.compiled and later.costs == {} and "remembered in" in later.note
+    saved[key]["compiled"] = False
+    compiled.decisions_path().write_text(json.dumps(saved))
+    compiled._AUTO.clear()
+    eager = prepare_decoders(target, drafts["trained"], "auto", **kwargs)
+    assert not eager.compiled and eager.target is target and eager.compile_seconds == 0
+    # Another draft shape is another key: measured afresh.
+    compiled._AUTO.clear()
+    other = prepare_decoders(target, drafts["self"], "auto", **kwargs)
+    assert set(other.costs) == {"eager", "compiled"}
+    monkeypatch.setenv("SPECDISTILL_AUTO_DECISIONS", "")
+    assert compiled.decisions_path() is None
+
+
 def test_the_target_stays_compiled_and_an_old_draft_is_released(models):
     """Evaluating checkpoint after checkpoint: the target's StaticLM is reused, and a draft two models back is
     dropped with its cache rather than kept for the whole process."""
