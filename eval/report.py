@@ -149,11 +149,24 @@ def evaluate_pair(
                           device=str(device), dtype=str(next(target.parameters()).dtype))
     report["settings"] |= {"seed": seed, "max_prompt_tokens": max_prompt_tokens}
     report["draft_vocab_size"] = None if draft_vocab is None else len(draft_vocab)
+    report["draft_vocab_coverage"] = None if draft_vocab is None else vocab_coverage(records, draft_vocab)
     report["decoder"] = decoders.to_dict()
     report["vanilla_reused"] = sum(r["vanilla_reused"] for r in records)
     if out_dir is not None:
         write_report(report, records, out_dir, plots=plots)
     return report
+
+
+def vocab_coverage(records: list[dict], draft_vocab: list[int]) -> dict[str, float]:
+    """Per temperature, the share of the target's own tokens (its vanilla outputs) inside the draft's reduced head.
+    The draft can never propose the others, so a position whose target token lies outside is always rejected
+    at T = 0: what the reduced head costs in alpha, where the training data's token counts miss the prompts'."""
+    inside = set(draft_vocab)
+    coverage = {}
+    for temperature in sorted({r["temperature"] for r in records}):
+        tokens = [t for r in records if r["temperature"] == temperature for t in r["vanilla_output_ids"]]
+        coverage[str(float(temperature))] = sum(t in inside for t in tokens) / len(tokens) if tokens else None
+    return coverage
 
 
 def _decode_all(decoders, vanilla_cache: VanillaCache, model, prompts, encoded, settings: EvalSettings, pair: str, eos,
@@ -267,7 +280,10 @@ def summary_text(report: dict) -> str:
     rounds = f"k={k}" if settings.fixed_k else f"k<={k}, a round stops after a draft token of q < {settings.draft_confidence:g}"
     head = (
         f"pair: {report['pair']['target']} <- {report['pair']['draft']}   {rounds}   device={report['device']} ({report['dtype']})"
-        + (f"   draft vocabulary: {report['draft_vocab_size']} tokens" if report.get("draft_vocab_size") else "") + "\n"
+        + (f"   draft vocabulary: {report['draft_vocab_size']} tokens" if report.get("draft_vocab_size") else "")
+        + (" (share of the target's tokens inside: " + ", ".join(f"{100 * c:.1f}% at T={t}" for t, c in
+                                                              report["draft_vocab_coverage"].items() if c is not None) + ")"
+           if report.get("draft_vocab_coverage") else "") + "\n"
         f"costs: draft {costs['t_draft_ms']:.1f} ms/token, target {costs['t_target_ms']['1']:.1f} ms (1 token), "
         f"{costs['t_target_ms'][str(k + 1)]:.1f} ms ({k + 1} tokens), c = {costs['c']:.3f}\n"
     )

@@ -146,9 +146,15 @@ def test_eval_reads_the_drafts_vocabulary_file_and_rejects_a_bad_one(tmp_path, t
     assert "draft vocabulary: 148 tokens" in capsys.readouterr().out
     report = json.loads((tmp_path / "sub" / "report.json").read_text())
     assert report["draft_vocab_size"] == 148 and report["greedy_identical_to_vanilla"] == 1.0
+    # How much of the target's own output the reduced head can propose at all, per temperature.
+    records = [json.loads(line) for line in (tmp_path / "sub" / "requests.jsonl").read_text().splitlines()]
+    for t, coverage in report["draft_vocab_coverage"].items():
+        tokens = [x for r in records if r["temperature"] == float(t) for x in r["vanilla_output_ids"]]
+        assert coverage == sum(2 <= x < 150 for x in tokens) / len(tokens)
+    assert set(report["draft_vocab_coverage"]) == {"0.0", "1.0"}
     eval_main(common + ["--draft", str(draft), "--full-draft-vocab", "--draft-dtype", "bfloat16", "--out", str(tmp_path / "full")])
     full = json.loads((tmp_path / "full" / "report.json").read_text())
-    assert full["draft_vocab_size"] is None and full["greedy_identical_to_vanilla"] == 1.0
+    assert full["draft_vocab_size"] is None and full["draft_vocab_coverage"] is None and full["greedy_identical_to_vanilla"] == 1.0
     save_draft_vocab(draft, [5, 300])  # 300 is past the tiny vocabulary
     code, line = run_eval(common + ["--draft", str(draft)], capsys)
     assert code == 2 and "token id 300 is outside" in line
