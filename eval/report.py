@@ -5,8 +5,9 @@ speculative decoding with the draft back to back (same prompts, same code, one r
 aggregates per temperature and per domain (see eval/metrics.py for the conventions).
 
 A vanilla decode depends on the target, the prompt, the settings and the request's seed, never on the
-draft: a process that measures several checkpoints against one target (the pipeline's checkpoint evals)
-decodes each request vanilla once and reuses it, tokens and wall time (`VanillaCache`).
+draft: with `eval.reuse_vanilla`, a process that measures several checkpoints against one target (the
+pipeline's checkpoint evals) decodes each request vanilla once and reuses it, tokens and wall time
+(`VanillaCache`).
 """
 
 from __future__ import annotations
@@ -118,14 +119,13 @@ def evaluate_pair(
     draft_vocab: list[int] | None = None,
     seed: int = 0,
     max_prompt_tokens: int = 512,
-    reuse_vanilla: bool = True,
 ) -> dict:
     """Decode every prompt at every temperature with and without the draft; return (and write) the report.
 
     `draft_vocab`: token ids the draft's head is restricted to (`eval.draft_vocab`); None: its full head.
     `seed`: every request's sampling seed derives from it; `max_prompt_tokens`: longer prompts keep their end.
-    `reuse_vanilla`: take a request's vanilla decode from an earlier measurement of the same target in this
-    process where there is one (`VanillaCache`); False: decode it again.
+    `settings.reuse_vanilla`: take a request's vanilla decode from an earlier measurement of the same target in
+    this process where there is one (`VanillaCache`); off: decode it again, back to back with the speculative one.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate")
@@ -141,7 +141,7 @@ def evaluate_pair(
                                     max_length=max(map(len, encoded)) + settings.max_new_tokens, k=settings.k)
         eager = not decoders.compiled
         with packed_linears(target, enabled=eager), packed_linears(draft, enabled=eager), no_recompiles(decoders.compiled):
-            cache = VanillaCache.of(target) if reuse_vanilla else VanillaCache()
+            cache = VanillaCache.of(target) if settings.reuse_vanilla else VanillaCache()
             records, costs = _decode_all(decoders, cache, target, prompts, encoded, settings, pair, eos, vocab, sub_ids,
                                          device, progress, seed)
 

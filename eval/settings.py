@@ -61,6 +61,12 @@ class EvalSettings:
     """`on`: a static KV cache and compiled decode steps (CUDA graphs on a GPU; eval/compiled.py); `off`: eager;
     `auto`: compile, time a draft and a target token both ways, keep the faster (eager where compiling cannot run).
     YAML reads a bare on/off as true/false: both spellings mean the same."""
+    reuse_vanilla: bool = False
+    """A run measuring several checkpoints against one target: decode each request vanilla once and give later
+    checkpoints its tokens and wall time (eval/report.py, `VanillaCache`), which halves a later checkpoint's
+    measurement. Off by default: a speedup then divides times taken minutes apart, and on a shared CPU the
+    machine's speed drifted by a third between two checkpoints of one run (docs/eval.md); paired, each
+    request's vanilla and speculative decodes run back to back."""
 
     def __post_init__(self):
         if isinstance(self.compile, bool):
@@ -74,6 +80,7 @@ class EvalSettings:
         check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables)")
         check(0 <= self.fallback_threshold <= 1, "fallback_threshold", "must be in [0, 1]")
         check(0 <= self.draft_confidence < 1, "draft_confidence", f"must be in [0, 1), got {self.draft_confidence}")
+        check(isinstance(self.reuse_vanilla, bool), "reuse_vanilla", f"must be true or false, got {self.reuse_vanilla!r}")
 
 
     @property

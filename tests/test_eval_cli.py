@@ -164,8 +164,9 @@ def test_eval_reads_the_drafts_vocabulary_file_and_rejects_a_bad_one(tmp_path, t
 
 
 def test_a_second_checkpoint_reuses_the_targets_vanilla_decodes(monkeypatch, tiny_tokenizer):
-    """Measuring two drafts against one target decodes each request vanilla once: the second report carries the
-    first one's vanilla tokens and times; a target changed in place, or reuse turned off, is decoded afresh."""
+    """With eval.reuse_vanilla, measuring two drafts against one target decodes each request vanilla once: the
+    second report carries the first one's vanilla tokens and times; a target changed in place, or reuse off
+    (the default), is decoded afresh."""
     import eval.report as report_module
     from eval.prompts import builtin_prompts, spread
     from eval.settings import EvalSettings
@@ -176,12 +177,12 @@ def test_a_second_checkpoint_reuses_the_targets_vanilla_decodes(monkeypatch, tin
     monkeypatch.setattr(report_module, "vanilla_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     target = make_model(len(tiny_tokenizer), layers=2, seed=0)
     prompts = spread(builtin_prompts("held_out"), 3)
-    settings = EvalSettings(k=3, temperatures=[0.0, 1.0], max_new_tokens=10, compile="off")
+    reuse = EvalSettings(k=3, temperatures=[0.0, 1.0], max_new_tokens=10, compile="off", reuse_vanilla=True)
 
-    def measure(draft, **kw):
+    def measure(draft, settings=reuse):
         calls.clear()
         report = report_module.evaluate_pair(target, draft, tiny_tokenizer, prompts, settings, target_name="t", draft_name="d",
-                                             progress=False, plots=False, **kw)
+                                             progress=False, plots=False)
         return report, len(calls)
 
     first, decoded = measure(make_model(len(tiny_tokenizer), layers=1, hidden=32, seed=1))
@@ -191,8 +192,8 @@ def test_a_second_checkpoint_reuses_the_targets_vanilla_decodes(monkeypatch, tin
     assert second["greedy_identical_to_vanilla"] == 1.0
     for t in ("0.0", "1.0"):
         assert second["by_temperature"][t]["tokens_per_s_vanilla"] == first["by_temperature"][t]["tokens_per_s_vanilla"]
-    _, decoded = measure(trained_draft(target, steps=5), reuse_vanilla=False)
-    assert decoded == 6
+    _, decoded = measure(trained_draft(target, steps=5), EvalSettings(**{**reuse.to_dict(), "reuse_vanilla": False}))
+    assert decoded == 6  # the default: paired, every request decoded vanilla again
     with torch.no_grad():
         target.model.norm.weight.mul_(1.5)
     changed, decoded = measure(trained_draft(target, steps=5))
