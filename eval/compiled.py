@@ -33,6 +33,7 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -217,8 +218,6 @@ so checkpoints are compared by their drafts, not by which mode a noisy measureme
 def decisions_path():
     """Where auto's decisions are remembered between processes: `SPECDISTILL_AUTO_DECISIONS` (empty: nowhere),
     default compile_auto.json in the cache (`SPECDISTILL_CACHE`)."""
-    from pathlib import Path
-
     from eval.models import cache_dir
 
     value = os.environ.get("SPECDISTILL_AUTO_DECISIONS")
