@@ -98,6 +98,7 @@ def test_study_shares_data_writes_one_row_per_variant_and_resumes_only_unfinishe
     assert sizes["fkl"] == sizes["rkl"] and sizes["longer_data"] >= sizes["fkl"]
     table = (run_dir / "study.md").read_text()
     assert all(f"| {v} " in table for v in VARIANTS)
+    assert all(r["draft_head"] == {"size": None, "coverage": None} for r in result["variants"]) and "| full |" in table
     assert (run_dir / "study.png").stat().st_size > 0
 
     again = run_study(study)  # everything finished: nothing is redone, the table is written again
@@ -188,3 +189,12 @@ def test_a_key_added_since_a_variant_ran_is_no_difference():
     stored = json.loads(json.dumps(current))
     stored["old_key"] = 1
     assert _differs(stored, current)
+
+
+def test_the_draft_head_column():
+    from train.study import _head
+
+    temps = ["0.0", "0.7"]
+    assert _head({"size": 8192, "coverage": {"0.0": 0.9256, "0.7": 0.9535}}, temps) == "8192 (92.6% / 95.3% inside)"
+    assert _head({"size": 8192, "coverage": None}, temps) == "8192"  # a report from before coverage was kept
+    assert _head({"size": None, "coverage": None}, temps) == "full" and _head(None, temps) == "-"

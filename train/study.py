@@ -246,6 +246,8 @@ def variant_row(variant: Variant, variant_dir: Path) -> dict:
         "alpha_by_domain": {t: {d: r["alpha"] for d, r in domains.items()} for t, domains in report["by_domain"].items()},
         "greedy_identical_to_vanilla": report.get("greedy_identical_to_vanilla"),
         "c": report["costs"]["c"],
+        # The draft's head: its size (None: every token) and the share of the target's tokens inside, per temperature.
+        "draft_head": {"size": report.get("draft_vocab_size"), "coverage": report.get("draft_vocab_coverage")},
         "distill_steps": len(steps),
         "distill_tokens": int(sum(s["train/tokens"] for s in steps)),
         # Step time only (the logged tokens/s of each step); checkpoint writing and measuring excluded.
@@ -328,13 +330,24 @@ def _pm(value, se) -> str:
     return f"{value:.3f}" + (f" ± {se:.3f}" if se is not None else "")
 
 
+def _head(head: dict | None, temps: list[str]) -> str:
+    """`full`, or the reduced head's size with the share of the target's tokens inside it at each temperature."""
+    if not head:
+        return "-"
+    if head["size"] is None:
+        return "full"
+    coverage = head.get("coverage") or {}
+    inside = " / ".join(f"{100 * coverage[t]:.1f}%" for t in temps if coverage.get(t) is not None)
+    return f"{head['size']}" + (f" ({inside} inside)" if inside else "")
+
+
 def study_markdown(result: dict) -> str:
     from eval.report import markdown_table
 
     rows = result["variants"]
     temps = list(rows[0]["by_temperature"])
     headers = ["variant"] + [f"{name} T={t}" for t in temps for name in ("α", "τ", "speedup")] + [
-        "distill min", "distill tokens", "data tokens", "generate min", "wall min", "best", "winner"]
+        "draft head", "distill min", "distill tokens", "data tokens", "generate min", "wall min", "best", "winner"]
     table = []
     for r in rows:
         cells = [r["variant"]]
@@ -343,7 +356,7 @@ def study_markdown(result: dict) -> str:
             cells += [_pm(m["alpha"], m.get("alpha_se")), m["tau"], _pm(m["speedup_observed"], m.get("speedup_observed_se"))]
         wall = r.get("wall_seconds") or {}
         minutes = [round(wall[key] / 60, 1) if key in wall else "-" for key in ("generate", "total")]
-        cells += [round(r["distill_seconds"] / 60, 1), r["distill_tokens"], r["data"]["completion_tokens"], *minutes,
+        cells += [_head(r.get("draft_head"), temps), round(r["distill_seconds"] / 60, 1), r["distill_tokens"], r["data"]["completion_tokens"], *minutes,
                   r["best_checkpoint"], "*" if r["variant"] == result["winner"] else ""]
         table.append(cells)
     domains = sorted({d for r in rows for t in temps for d in r["alpha_by_domain"].get(t, {})})
