@@ -161,21 +161,20 @@ def _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, ru
 
     def hook(step, path, draft):
         if accelerator.is_main_process:
-            start = time.perf_counter()
-            # Measured as it will be served: a copy in the serving dtype (training holds float32 weights).
-            served = cast_weights(copy.deepcopy(draft), serving_dtype(recipe, target)).eval()
-            report = run_eval_stage(recipe, target, served, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name,
-                                    draft_vocab=load_draft_vocab(path))
-            accelerator.log(checkpoint_metrics(report), step=step)
-            tracker = _wandb_tracker(accelerator)
-            if tracker is not None:
-                plot = report.get("plots", {}).get("acceptance_by_draft_position")
-                if plot:
-                    tracker.log_images({"eval/acceptance_by_draft_position": [str(Path(run_dir) / "eval" / path.name / plot)]},
-                                       step=step)
-            summary = summarize(run_dir)
-            log(f"eval: best so far {summary['best']}")
-            record_time(run_dir, f"eval {path.name} (within distill)", time.perf_counter() - start, accelerator.num_processes)
+            with timed_stage(f"eval {path.name} (within distill)", run_dir, accelerator):
+                # Measured as it will be served: a copy in the serving dtype (training holds float32 weights).
+                served = cast_weights(copy.deepcopy(draft), serving_dtype(recipe, target)).eval()
+                report = run_eval_stage(recipe, target, served, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name,
+                                        draft_vocab=load_draft_vocab(path))
+                accelerator.log(checkpoint_metrics(report), step=step)
+                tracker = _wandb_tracker(accelerator)
+                if tracker is not None:
+                    plot = report.get("plots", {}).get("acceptance_by_draft_position")
+                    if plot:
+                        image = str(Path(run_dir) / "eval" / path.name / plot)
+                        tracker.log_images({"eval/acceptance_by_draft_position": [image]}, step=step)
+                summary = summarize(run_dir)
+                log(f"eval: best so far {summary['best']}")
         accelerator.wait_for_everyone()
 
     return hook
