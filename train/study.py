@@ -175,8 +175,15 @@ def link_data(variant_dir: Path, data_dir: Path) -> None:
         pass
 
 
-def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False, report: bool = False) -> dict | None:
+def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False, report: bool = False,
+              only: list[str] | None = None) -> dict | None:
+    """Run every variant, or those named in `only` (the tables still list the others, as pending)."""
     variants = resolve_variants(study, base, run_dir)
+    unknown = [name for name in only or () if name not in study.variants]
+    if unknown:
+        raise UserError(f"--variants: no variant '{unknown[0]}' in study '{study.name}' "
+                        f"(variants: {', '.join(study.variants)})")
+    selected = [v for v in variants if only is None or v.name in only]
     keys = sorted({v.data_key for v in variants})
     log(f"study '{study.name}': {len(variants)} variants, {len(keys)} generated data set(s), directory {run_dir}")
     if dry_run:
@@ -196,7 +203,7 @@ def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False
     if done:
         log(f"study: {len(done)} of {len(variants)} variants already finished ({', '.join(sorted(done))}); skipped")
     children = 0  # the same count on every process: each sees the same finished variants and data sets
-    for v in variants:
+    for v in selected:
         if v.name in done:
             continue
         data_dir = data_dir_of(run_dir, v)
@@ -213,7 +220,7 @@ def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False
         children += 1
         if _is_main():
             atomic_write_json(run_dir / v.name / ROW_FILE, variant_row(v, run_dir / v.name))
-            if v is not variants[-1]:  # the table so far, to look at while the rest runs
+            if v is not selected[-1]:  # the table so far, to look at while the rest runs
                 write_study(study, variants, run_dir, final=False)
     if not _is_main():
         return None
@@ -428,6 +435,8 @@ def parse_args(argv=None):
     parser.add_argument("--dry-run", action="store_true", help="list the variants and their resolved recipes; run nothing")
     parser.add_argument("--report", action="store_true",
                         help="write study.json/md/png from the variants finished so far; run nothing")
+    parser.add_argument("--variants", type=lambda text: [name for name in text.split(",") if name], default=None,
+                        help="comma-separated: run only these variants (the tables list the others as pending)")
     return parser.parse_args(argv)
 
 
@@ -435,7 +444,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     study, base, run_dir = load_study(args.study)
-    run_study(study, base, run_dir, dry_run=args.dry_run, report=args.report)
+    run_study(study, base, run_dir, dry_run=args.dry_run, report=args.report, only=args.variants)
 
 
 if __name__ == "__main__":
