@@ -198,3 +198,17 @@ def test_the_draft_head_column():
     assert _head({"size": 8192, "coverage": {"0.0": 0.9256, "0.7": 0.9535}}, temps) == "8192 (92.6% / 95.3% inside)"
     assert _head({"size": 8192, "coverage": None}, temps) == "8192"  # a report from before coverage was kept
     assert _head({"size": None, "coverage": None}, temps) == "full" and _head(None, temps) == "-"
+
+
+def test_variants_option_runs_only_the_named_variants(tmp_path, tiny_target_dir):
+    study, run_dir = write_study(tmp_path, tiny_target_dir, variants={"fkl": VARIANTS["fkl"], "rkl": VARIANTS["rkl"]})
+    unknown = run_study(study, "--variants", "rkl,nope")
+    assert unknown.returncode == 2 and not run_dir.exists()
+    assert unknown.stderr.strip().splitlines()[-1] == (
+        "specdistill: error: --variants: no variant 'nope' in study 's' (variants: fkl, rkl)")
+
+    proc = run_study(study, "--variants", "rkl")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "rkl" / "study_row.json").is_file() and not (run_dir / "fkl").exists()
+    result = json.loads((run_dir / "study.json").read_text())
+    assert [r["variant"] for r in result["variants"]] == ["rkl"] and result["pending"] == ["fkl"]
