@@ -378,3 +378,32 @@ def test_deepspeed_zero_two_processes_match_one_process(stage, tmp_path, generat
     # ZeRO reduce-scatters the gradients in another order; on the Intel Xeon CI machine one embedding entry in
     # 9,600 landed 4e-5 away after 6 Adam steps. A missing sync or a wrong normalisation is ~lr (3e-3) away.
     assert_weights_close(weights(one_dir, 6), weights(two_dir, 6), atol=1e-4)
+
+
+def test_a_checkpoint_is_measured_without_the_training_autocast():
+    """The eval hook's copy of a draft trained in bf16 mixed precision runs as served: no autocast, and through
+    packed float32 linears (which refuse the bf16 inputs autocast would give them)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from eval.packed import packed_linears
+    from train.models import served_copy
+
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        draft = accelerator.unwrap_model(accelerator.prepare(make_model(vocab_size=64)))
+    finally:
+        AcceleratorState._reset_state(True)
+    seen = []
+    draft.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():
+        draft(ids)
+        served = served_copy(draft, torch.float32)
+        with packed_linears(served):
+            logits = served(ids).logits
+        draft(ids)
+    assert seen == [True, False, True]  # the training model keeps its autocast; the served copy has none
+    assert logits.dtype == torch.float32 and not served.training
+    torch.testing.assert_close(logits, served(ids).logits, rtol=1e-4, atol=1e-4)

@@ -111,6 +111,17 @@ def cast_weights(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
+def served_copy(draft: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of the draft being trained, as it will be served: weights in `dtype`, in eval mode, and without
+    accelerate's mixed-precision wrapper (autocast around `forward`), which `unwrap_model` keeps and a copy
+    inherits. With the wrapper a float32 draft would be measured in bf16, and oneDNN's packed float32
+    linears refuse bf16 inputs."""
+    from accelerate.utils import extract_model_from_parallel
+
+    served = extract_model_from_parallel(copy.deepcopy(draft), keep_fp32_wrapper=False)
+    return cast_weights(served, dtype).eval()
+
+
 def serving_dtype(recipe, target) -> torch.dtype:
     """The dtype the draft is measured and exported in: `draft.dtype`, or the target's when `auto`."""
     if recipe.draft.dtype == "auto":

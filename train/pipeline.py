@@ -7,7 +7,6 @@ they load); rerunning the same command after a crash continues where the run sto
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import time
@@ -19,7 +18,7 @@ from eval.draft_vocab import load_draft_vocab
 from eval.errors import UserError
 from eval.fsutil import atomic_write_json, atomic_write_text
 from eval.models import check_model_vocab, describe_processor, load_model, load_tokenizer, log, num_parameters
-from train.models import build_draft, cast_weights, serving_dtype
+from train.models import build_draft, cast_weights, served_copy, serving_dtype
 from train.recipe import Recipe, dump_recipe
 
 IDENTITY_KEYS = ("target", "draft", "data", "generate", "distill", "seed")
@@ -163,7 +162,7 @@ def _checkpoint_eval_hook(recipe, accelerator, target, tokenizer, draft_name, ru
         if accelerator.is_main_process:
             with timed_stage(f"eval {path.name} (within distill)", run_dir, accelerator):
                 # Measured as it will be served: a copy in the serving dtype (training holds float32 weights).
-                served = cast_weights(copy.deepcopy(draft), serving_dtype(recipe, target)).eval()
+                served = served_copy(draft, serving_dtype(recipe, target))
                 report = run_eval_stage(recipe, target, served, tokenizer, f"{draft_name}@{path.name}", run_dir, tag=path.name,
                                         draft_vocab=load_draft_vocab(path))
                 accelerator.log(checkpoint_metrics(report), step=step)
