@@ -1,5 +1,6 @@
 """Studies: a base recipe plus named variants, each measured the same way. Run:
-`python -m train.study STUDY.yaml [--dry-run]` (or under `accelerate launch`, as `python -m train`).
+`python -m train.study STUDY.yaml [--dry-run] [--report] [--variants A,B]` (or under `accelerate launch`, as
+`python -m train`).
 
 A study file names a base recipe, overrides applied to every variant, and the variants, each a list
 of dotted overrides exactly as on the `python -m train` command line:
