@@ -407,12 +407,16 @@ def main() -> None:
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--agreement-rows", type=int, default=40, help="training rows for the teacher-forced agreement")
     parser.add_argument("--no-decode", action="store_true", help="only the teacher-forced agreement, no decoding")
+    parser.add_argument("--tag", default=None, help="save and label a single kind's draft under this name (default: the kind), "
+                        "e.g. a control: --kinds layers --feature-dropout 1 --tag layers_without_states")
     parser.add_argument("--retrain", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if unknown := [k for k in kinds if k not in KINDS]:
         parser.error(f"--kinds: unknown kind {unknown[0]!r}; expected some of {', '.join(KINDS)}")
+    if args.tag and len(kinds) != 1:
+        parser.error("--tag names one kind's draft: give one kind in --kinds")
 
     run = Path(args.run)
     recipe = load_recipe(run / "recipe.yaml", [])
@@ -426,10 +430,12 @@ def main() -> None:
     head_list = load_draft_vocab(run) or list(range(target.config.vocab_size))
     head_ids = torch.tensor(head_list)
     examples = build_examples(load_generated(run), recipe.distill.max_seq_len)
-    drafts, training, states = {}, {}, None
+    drafts, training, states, labels = {}, {}, None, {}
     for kind in kinds:
         settings = {name: DEFAULTS[kind][name] if getattr(args, name) is None else getattr(args, name) for name in DEFAULTS[kind]}
-        saved = run / f"feature_draft_{kind}.pt"
+        tag = args.tag or kind
+        labels[kind] = KINDS[kind] if tag == kind else f"{tag} ({kind}, " + ", ".join(f"{n} {v}" for n, v in settings.items()) + ")"
+        saved = run / f"feature_draft_{tag}.pt"
         draft = make_draft(kind, target, recipe, head_list)
         if saved.is_file() and not args.retrain:
             stored = torch.load(saved)
@@ -456,10 +462,10 @@ def main() -> None:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     cached_target = CachedTargetFeatures(target, vocab)
     prompts = spread(builtin_prompts("independent"), args.num_prompts)
-    names = [f"{run.name} {checkpoint.name}: draft.layers {recipe.draft.layers}"] + [KINDS[k] for k in kinds]
+    names = [f"{run.name} {checkpoint.name}: draft.layers {recipe.draft.layers}"] + [labels[k] for k in kinds]
     makers = {names[0]: lambda t, g: model_proposer(baseline, head_ids, vocab, t, g)}
     for kind in kinds:
-        makers[KINDS[kind]] = lambda t, g, d=drafts[kind]: feature_proposer(d, head_ids, vocab, t, g)
+        makers[labels[kind]] = lambda t, g, d=drafts[kind]: feature_proposer(d, head_ids, vocab, t, g)
     records = {(name, t): [] for name in names for t in temperatures if not args.no_decode}
     started, independent = time.perf_counter(), []
     with restricted_head(baseline, head_list):
@@ -484,7 +490,7 @@ def main() -> None:
         rows_of = torch.randperm(len(examples), generator=torch.Generator().manual_seed(args.seed))[:args.agreement_rows]
         seen = [(examples[i].ids, examples[i].start) for i in rows_of.tolist()]
         target_features = TargetFeatures(target)
-        models = {names[0]: baseline} | {KINDS[k]: drafts[k] for k in kinds}
+        models = {names[0]: baseline} | {labels[k]: drafts[k] for k in kinds}
         agreements = {name: {"training rows": agreement(target_features, m, head_ids, seen),
                              "independent prompts": agreement(target_features, m, head_ids, independent)}
                       for name, m in models.items()}
@@ -496,7 +502,7 @@ def main() -> None:
     results = {key: summarise(recs, args.k) for key, recs in records.items()}
     body = lambda m: sum(p.numel() for n, p in m.named_parameters() if "embed" not in n)  # noqa: E731
     params = {names[0]: body(baseline.get_decoder()) + len(head_list) * target.config.hidden_size}
-    params |= {KINDS[k]: body(drafts[k]) + drafts[k].head.numel() for k in kinds}
+    params |= {labels[k]: body(drafts[k]) + drafts[k].head.numel() for k in kinds}
     if results:
         domains = sorted(next(iter(results.values()))["alpha_by_domain"])
         headers = (["draft", "T", "M params a token", "alpha", "tau", "accepted/round"]
