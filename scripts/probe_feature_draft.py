@@ -354,7 +354,8 @@ def agreement(target_features: TargetFeatures, draft, head_ids: torch.Tensor, se
 
 
 def summarise(records: list[dict], k: int) -> dict:
-    """α (mean β over verified draft positions, as `python -m eval`), τ, acceptance by slot and α by domain."""
+    """α (mean β over verified draft positions, as `python -m eval`) and its standard error over the requests (of
+    each request's α), τ, acceptance by slot and α by domain."""
     drafted = accepted = verified = calls = generated = 0
     beta = 0.0
     by_slot_reached, by_slot_accepted, by_domain = [0] * k, [0] * k, {}
@@ -370,7 +371,13 @@ def summarise(records: list[dict], k: int) -> dict:
                 by_slot_reached[slot] += 1
                 by_slot_accepted[slot] += slot < a
     identical = [r["identical"] for r in records if r["identical"] is not None]
-    return {"alpha": beta / max(1, verified), "alpha_empirical": accepted / max(1, verified),
+    per_request = [sum(b for *_, b in r["rounds"]) / v for r in records
+                   if (v := sum(a + (a < n) for n, a, _ in r["rounds"]))]
+    mean = sum(per_request) / max(1, len(per_request))
+    spread = (sum((x - mean) ** 2 for x in per_request) / (len(per_request) - 1) / len(per_request)) ** 0.5 \
+        if len(per_request) > 1 else None
+    return {"alpha": beta / max(1, verified), "alpha_standard_error": spread,
+            "alpha_empirical": accepted / max(1, verified),
             "tau": generated / max(1, calls),
             "accepted_per_round": accepted / max(1, sum(len(r["rounds"]) for r in records)),
             "acceptance_by_slot": [a / r if r else None for a, r in zip(by_slot_accepted, by_slot_reached)],
@@ -505,9 +512,10 @@ def main() -> None:
     params |= {labels[k]: body(drafts[k]) + drafts[k].head.numel() for k in kinds}
     if results:
         domains = sorted(next(iter(results.values()))["alpha_by_domain"])
-        headers = (["draft", "T", "M params a token", "alpha", "tau", "accepted/round"]
+        headers = (["draft", "T", "M params a token", "alpha", "± (prompts)", "tau", "accepted/round"]
                    + [f"slot {i + 1}" for i in range(args.k)] + domains + ["greedy == vanilla"])
-        rows = [[name, t, f"{params[name] / 1e6:.1f}", f"{r['alpha']:.3f}", f"{r['tau']:.2f}", f"{r['accepted_per_round']:.2f}"]
+        rows = [[name, t, f"{params[name] / 1e6:.1f}", f"{r['alpha']:.3f}", f"{r['alpha_standard_error'] or 0:.3f}",
+                 f"{r['tau']:.2f}", f"{r['accepted_per_round']:.2f}"]
                 + [f"{x:.2f}" if x is not None else "-" for x in r["acceptance_by_slot"]]
                 + [f"{r['alpha_by_domain'][d]:.2f}" for d in domains]
                 + ["-" if r["identical_to_vanilla"] is None else f"{r['identical_to_vanilla']:.2f}"]
