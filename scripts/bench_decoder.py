@@ -14,7 +14,9 @@ times in one run, on the same prompts:
 
 Per mode: compile seconds, measured costs (one draft token, one target token, a verify pass of k+1), ms per
 token of vanilla and speculative decoding, α, τ, observed and theoretical speedup, and the share of greedy
-requests whose output equals vanilla's (in the mode, and against eager vanilla). Prints the tables, checks
+requests whose output equals vanilla's (in the mode, and against eager vanilla). Beside them, each model's
+weights alone (`weights_floor_ms`: one row through every linear layer once, packed): the least a decode step
+can cost, so a draft token's cost above it is all that compiling can remove. Prints the tables, checks
 issue 15's goals, and writes JSON (default runs/bench/bench_decoder.json). Name the processor with any figure.
 """
 
