@@ -120,17 +120,18 @@ def weights_floor_ms(model, repeats: int = 30) -> float:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     device = linears[0].weight.device
     inputs = [torch.randn(1, m.in_features, dtype=m.weight.dtype, device=device) for m in linears]
-    with packed_linears(model, enabled=device.type == "cpu"):
-        for _ in range(3):
-            for m, x in zip(linears, inputs):
-                m(x)
+    def passes(n: int) -> float:
         _sync(device)
         start = time.perf_counter()
-        for _ in range(repeats):
+        for _ in range(n):
             for m, x in zip(linears, inputs):
                 m(x)
         _sync(device)
-    return 1e3 * (time.perf_counter() - start) / repeats
+        return time.perf_counter() - start
+
+    with packed_linears(model, enabled=device.type == "cpu"):
+        passes(3)  # warm up
+        return 1e3 * passes(repeats) / repeats
 
 
 def bench_hf(target, draft, prompts, args, eos, static=False, assisted=False):

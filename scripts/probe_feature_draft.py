@@ -49,13 +49,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.draft_vocab import load_draft_vocab, restricted_head  # noqa: E402
+from eval.draft_vocab import load_draft_vocab, restricted_head, subset_index  # noqa: E402
 from eval.fsutil import atomic_write_json  # noqa: E402
 from eval.models import describe_processor, load_model, load_tokenizer, log  # noqa: E402
 from eval.prompts import builtin_prompts, encode_prompt, spread  # noqa: E402
 from eval.report import eos_ids, format_table  # noqa: E402
-from eval.draft_vocab import subset_index  # noqa: E402
-from eval.speculative import CachedLM  # noqa: E402
+from eval.speculative import CachedLM, residual_distribution  # noqa: E402
 from train.batches import build_examples, collate, micro_batches  # noqa: E402
 from train.distill import lr_lambda  # noqa: E402
 from train.generate import load_generated  # noqa: E402
@@ -67,6 +66,12 @@ def _output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+def capture_states(model, owner) -> None:
+    """After each forward pass of `model`, `owner.captured` holds the output of its last decoder layer: the state
+    before the final norm."""
+    model.get_decoder().layers[-1].register_forward_hook(lambda module, args, out: setattr(owner, "captured", _output(out)))
+
+
 class TargetFeatures:
     """The target's logits and last hidden states before the final norm (a hook on its last decoder layer), over
     whole sequences (no cache: training data)."""
@@ -74,12 +79,12 @@ class TargetFeatures:
     def __init__(self, target):
         self.target = target
         self.captured = None
-        target.get_decoder().layers[-1].register_forward_hook(lambda module, args, out: setattr(self, "captured", out))
+        capture_states(target, self)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         logits = self.target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return logits, _output(self.captured)
+        return logits, self.captured
 
 
 class CachedTargetFeatures(CachedLM):
@@ -88,13 +93,13 @@ class CachedTargetFeatures(CachedLM):
     def __init__(self, target, vocab_size: int):
         super().__init__(target, vocab_size)
         self.captured = None
-        target.get_decoder().layers[-1].register_forward_hook(lambda module, args, out: setattr(self, "captured", out))
+        capture_states(target, self)
 
     @torch.no_grad()
     def extend(self, token_ids: list[int], keep: int):
         """Feed `token_ids`: the logits of the last `keep` positions (keep, V) and the states of all of them (1, n, d)."""
         logits = self.forward(token_ids, keep=keep)
-        return logits.float(), _output(self.captured).float()
+        return logits.float(), self.captured.float()
 
 
 class FeatureDraft(torch.nn.Module):
@@ -151,14 +156,14 @@ class FeatureLayers(torch.nn.Module):
         head = target.get_output_embeddings().weight
         self.register_buffer("head", head[torch.as_tensor(head_ids)].detach().clone().float())
         self.captured = None
-        self.body.layers[-1].register_forward_hook(lambda module, args, out: setattr(self, "captured", out))
+        capture_states(self.body, self)
 
     def forward(self, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """As `FeatureDraft.forward`; token 0 is read too (with no state), so the attention sees the whole sequence."""
         x = self.body.embed_tokens(ids)
         x = torch.cat([x[:, :1], x[:, 1:] + self.mix(features.to(x.dtype))], dim=1)
         self.body(inputs_embeds=x, use_cache=False)
-        return _output(self.captured)[:, 1:]
+        return self.captured[:, 1:]
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         return self.body.norm(states) @ self.head.T.to(states.dtype)
@@ -169,10 +174,9 @@ def make_draft(kind: str, target, recipe, head_ids: list[int]):
 
 
 @torch.no_grad()
-def target_states(target, examples, batch_size: int, pad_id: int, bf16: bool) -> dict[int, torch.Tensor]:
+def target_states(features_of: TargetFeatures, examples, batch_size: int, pad_id: int, bf16: bool) -> dict[int, torch.Tensor]:
     """The target's states over every training example, once (bf16, by the example's row): training reads them
     each epoch instead of running the target again."""
-    features_of = TargetFeatures(target)
     order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
     states, started = {}, time.perf_counter()
     for lo in range(0, len(order), batch_size):
@@ -283,8 +287,7 @@ def speculative(target: CachedTargetFeatures, propose, prompt_ids, k, max_new, e
                 beta += float(torch.minimum(p, q[i]).sum())
                 ok = float(torch.rand((), generator=generator)) < min(1.0, float(p[token] / q[i][token]))
                 if not ok:
-                    residual = (p - q[i]).clamp_min(0)
-                    next_bonus = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+                    next_bonus = int(torch.multinomial(residual_distribution(p, q[i]), 1, generator=generator))
             if not ok:
                 break
             accepted += 1
@@ -303,34 +306,33 @@ def _full(probs: torch.Tensor | None, head_ids: torch.Tensor, vocab: int) -> tor
     return None if probs is None else probs.new_zeros(vocab).index_copy_(0, head_ids, probs)
 
 
-def feature_proposer(draft, head_ids: torch.Tensor, vocab: int, temperature=0.0, generator=None):
+def _proposer(next_logits, head_ids: torch.Tensor, vocab: int, temperature: float, generator):
+    """`propose(tokens, feats, k)` for the speculative loop: k tokens, each picked from `next_logits(ids, state)`
+    (the next token's logits over the draft vocabulary, and the state the next call reads)."""
     def propose(tokens, feats, k):
-        ids, inputs, out, qs = tokens, feats.float(), [], []
+        ids, state, out, qs = tokens, feats.float(), [], []
         for _ in range(k):
-            predicted = draft(ids, inputs)
-            index, probs = pick(draft.logits(predicted[0, -1]), temperature, generator)
-            token = int(head_ids[index])
-            out.append(token)
+            logits, state = next_logits(ids, state)
+            index, probs = pick(logits, temperature, generator)
+            out.append(int(head_ids[index]))
             qs.append(_full(probs, head_ids, vocab))
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-            state = predicted[:, -1:] if draft.surrogate == "predicted" else torch.zeros_like(predicted[:, -1:])
-            inputs = torch.cat([inputs, state], dim=1)
+            ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
         return out, None if temperature == 0 else torch.stack(qs)
     return propose
+
+
+def feature_proposer(draft, head_ids: torch.Tensor, vocab: int, temperature=0.0, generator=None):
+    def next_logits(ids, inputs):
+        last = draft(ids, inputs)[:, -1:]
+        state = last if draft.surrogate == "predicted" else torch.zeros_like(last)
+        return draft.logits(last[0, -1]), torch.cat([inputs, state], dim=1)
+    return _proposer(next_logits, head_ids, vocab, temperature, generator)
 
 
 def model_proposer(model, head_ids: torch.Tensor, vocab: int, temperature=0.0, generator=None):
-    def propose(tokens, feats, k):
-        out, qs = [], []
-        for _ in range(k):
-            logits = model(input_ids=tokens, use_cache=False, logits_to_keep=1).logits
-            index, probs = pick(logits[0, -1], temperature, generator)
-            token = int(head_ids[index])
-            out.append(token)
-            qs.append(_full(probs, head_ids, vocab))
-            tokens = torch.cat([tokens, torch.tensor([[token]])], dim=1)
-        return out, None if temperature == 0 else torch.stack(qs)
-    return propose
+    def next_logits(ids, state):
+        return model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1], state
+    return _proposer(next_logits, head_ids, vocab, temperature, generator)
 
 
 @torch.no_grad()
@@ -437,6 +439,7 @@ def main() -> None:
     head_list = load_draft_vocab(run) or list(range(target.config.vocab_size))
     head_ids = torch.tensor(head_list)
     examples = build_examples(load_generated(run), recipe.distill.max_seq_len)
+    target_features = TargetFeatures(target)
     drafts, training, states, labels = {}, {}, None, {}
     for kind in kinds:
         settings = {name: DEFAULTS[kind][name] if getattr(args, name) is None else getattr(args, name) for name in DEFAULTS[kind]}
@@ -451,7 +454,7 @@ def main() -> None:
             log(f"probe: {kind} draft loaded from {saved}")
         else:
             if states is None:
-                states = target_states(target, examples, args.batch_size, tokenizer.pad_token_id, args.bf16)
+                states = target_states(target_features, examples, args.batch_size, tokenizer.pad_token_id, args.bf16)
             with torch.enable_grad():
                 training[kind] = train_feature_draft(argparse.Namespace(**{**vars(args), **settings, "kind": kind}), recipe,
                                                      draft, states, examples, head_ids, tokenizer.pad_token_id)
@@ -496,7 +499,6 @@ def main() -> None:
         decode_seconds = time.perf_counter() - started
         rows_of = torch.randperm(len(examples), generator=torch.Generator().manual_seed(args.seed))[:args.agreement_rows]
         seen = [(examples[i].ids, examples[i].start) for i in rows_of.tolist()]
-        target_features = TargetFeatures(target)
         models = {names[0]: baseline} | {labels[k]: drafts[k] for k in kinds}
         agreements = {name: {"training rows": agreement(target_features, m, head_ids, seen),
                              "independent prompts": agreement(target_features, m, head_ids, independent)}

@@ -84,7 +84,7 @@ def test_training_lowers_the_loss_and_raises_acceptance():
     target = make_model(V, layers=3)
     examples = _target_text(target, 16, 24)
     recipe = types.SimpleNamespace(train_seed=0, distill=types.SimpleNamespace(warmup_steps=5))
-    states = probe.target_states(target, examples, 8, 0, bf16=False)
+    states = probe.target_states(probe.TargetFeatures(target), examples, 8, 0, bf16=False)
     cached = probe.CachedTargetFeatures(target, V)
     for kind in probe.KINDS:
         args = types.SimpleNamespace(seed=0, lr=3e-3, steps=60, batch_size=8, bf16=False, kind=kind, **probe.DEFAULTS[kind])
