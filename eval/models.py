@@ -82,6 +82,11 @@ def describe_processor(device: torch.device | None = None) -> str:
     return f"{name}, {torch.get_num_threads()} threads, {vector}"
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """`bfloat16` for torch.bfloat16: the name a recipe uses."""
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda" and torch.cuda.is_bf16_supported():

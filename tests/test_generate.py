@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -95,6 +96,37 @@ def test_rerun_is_a_no_op_and_kill_then_resume_matches(reference, tmp_path, tiny
     assert resumed.returncode == 0, resumed.stderr
     assert f"{done} of this process's 30 shards already written" in resumed.stderr
     assert rows_of(run_dir) == rows_of(whole_dir)  # no row lost or duplicated
+
+
+def test_generate_dtype_writes_with_a_bf16_copy_of_the_target(tmp_path, tiny_target_dir):
+    from eval.models import load_model
+    from eval.speculative import vanilla_decode
+
+    run_dir = tmp_path / "bf16"
+    proc = run_train(write_recipe(tmp_path, tiny_target_dir, run_dir, temperatures=[0.0], batch_size=1, dtype="bfloat16"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the target writes in bfloat16 (generate.dtype: bfloat16; loaded in float32)" in proc.stderr
+    assert json.loads((run_dir / "generate" / "manifest.json").read_text())["dtype"] == "bfloat16"
+    bf16 = load_model(str(tiny_target_dir), dtype="bfloat16", device="cpu")
+    rows = list(load_generated(run_dir))
+    assert len(rows) == 10
+    for row in rows[:4]:
+        alone = vanilla_decode(bf16, row["prompt_ids"], max_new_tokens=12, eos_token_ids=[2])
+        assert row["completion_ids"] == alone.output_ids
+
+
+def test_generation_dtype_auto_follows_the_hardware(monkeypatch):
+    import torch
+
+    import train.models as models
+
+    target = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)  # what the function reads of a model
+    monkeypatch.setattr(models, "cpu_flags", lambda: {"avx512f"})
+    assert models.generation_dtype("auto", target) == torch.float32
+    assert models.generation_dtype("target", target) == torch.float32
+    assert models.generation_dtype("bfloat16", target) == torch.bfloat16
+    monkeypatch.setattr(models, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert models.generation_dtype("auto", target) == torch.bfloat16
 
 
 def test_two_processes_write_the_same_dataset(reference, tmp_path, tiny_target_dir):

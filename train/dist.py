@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 
-from train.models import cpu_has_native_bf16
+from train.models import native_bf16
 
 
 def distributed_state():
@@ -39,9 +39,7 @@ def mixed_precision(setting: str) -> str:
     """`auto`: bf16 autocast on a GPU that supports it and on a CPU that multiplies bf16 natively; else none."""
     if setting != "auto":
         return setting
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    return "bf16" if cpu_has_native_bf16() else "no"
+    return "bf16" if native_bf16(torch.device("cuda" if torch.cuda.is_available() else "cpu")) else "no"
 
 
 def make_accelerator(recipe):

@@ -9,6 +9,7 @@ the union equals a one-process run with the same seed. The manifest is written l
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -18,9 +19,10 @@ from tqdm.auto import tqdm
 from eval.packed import packed_linears
 from eval.errors import UserError
 from eval.fsutil import atomic_path, atomic_write_json
-from eval.models import log
+from eval.models import dtype_name, log
 from eval.prompts import Prompt, builtin_prompts, read_jsonl_prompts, row_to_prompt, spread
 from train.completions import Row, build_rows, generate_batch
+from train.models import cast_weights, generation_dtype
 from train.self_written import write_self_prompts
 
 SCHEMA_VERSION = 1
@@ -121,6 +123,10 @@ def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> 
         log(f"generate: already finished ({manifest_path}); skipped")
         return out_dir
     gen = recipe.generate
+    dtype = generation_dtype(gen.dtype, target)
+    if dtype != target.dtype:  # a copy for this stage: the target itself stays as loaded for distill and eval
+        log(f"generate: the target writes in {dtype_name(dtype)} (generate.dtype: {gen.dtype}; loaded in {dtype_name(target.dtype)})")
+        target = cast_weights(copy.deepcopy(target), dtype)
     if recipe.data.source == "self":
         prompts = self_written_prompts(recipe, target, tokenizer, out_dir, state)
     else:
@@ -175,6 +181,7 @@ def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> 
             "num_samples": gen.num_samples,
             "max_new_tokens": gen.max_new_tokens,
             "topk_logprobs": gen.topk_logprobs,
+            "dtype": dtype_name(dtype),
             "seed": recipe.seed,
             "processes": state.num_processes,
         }

@@ -18,6 +18,13 @@ def cpu_has_native_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def native_bf16(device: torch.device) -> bool:
+    """True when `device` multiplies bf16 natively: a GPU that supports it, or such a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return cpu_has_native_bf16()
+
+
 
 # ---------------------------------------------------------------------------- drafts
 
@@ -120,6 +127,15 @@ def served_copy(draft: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
     served = extract_model_from_parallel(copy.deepcopy(draft), keep_fp32_wrapper=False)
     return cast_weights(served, dtype).eval()
+
+
+def generation_dtype(setting: str, target) -> torch.dtype:
+    """The dtype the target generates training data in (`generate.dtype`)."""
+    if setting == "target" or (setting == "auto" and not native_bf16(target.device)):
+        return target.dtype
+    if setting == "auto":
+        return torch.bfloat16
+    return resolve_dtype(setting, target.device)
 
 
 def serving_dtype(recipe, target) -> torch.dtype:

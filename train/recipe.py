@@ -161,6 +161,10 @@ class GenerateSection:
     """Top-k sampling at T > 0 (0: off)."""
     topk_logprobs: int = 0
     """If > 0, also store the target's top-k log-probs at every completion position."""
+    dtype: Literal["target", "auto", "float32", "bfloat16", "float16"] = "target"
+    """The dtype the target generates in (a copy of it for the stage when it differs from `target.dtype`).
+    `target`: the target's own; `auto`: bfloat16 on a GPU that supports it and on a CPU that multiplies bf16
+    natively (avx512_bf16, AMX), else the target's own."""
     shard_size: int = 256
     """Rows per shard on disk."""
 
