@@ -49,8 +49,8 @@ def parse_args(argv=None):
     parser.add_argument("--fallback-window", type=int, default=DEFAULTS.fallback_window)
     parser.add_argument("--fallback-threshold", type=float, default=DEFAULTS.fallback_threshold)
     parser.add_argument("--compile", default=DEFAULTS.compile, choices=COMPILE_MODES,
-                        help="decode with a static KV cache and compiled steps (on), eagerly (off), or whichever "
-                             "measured faster on this device (auto, default)")
+                        help="decode with a static KV cache and compiled steps (on), eagerly (off), with the draft "
+                             "alone compiled (draft), or each model as it measured faster on this device (auto, default)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                         help="the draft's dtype when it differs from the target's (default: --dtype)")

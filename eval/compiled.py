@@ -193,26 +193,49 @@ def no_recompiles(compiled: bool):
 
 @dataclass
 class Decoders:
-    """What the eval decodes with: the models themselves (eager, a fresh DynamicCache per request) or their
-    compiled `StaticLM`s, and how that was decided."""
+    """What the eval decodes with: each model itself (eager, a fresh DynamicCache per request) or its compiled
+    `StaticLM`, and how that was decided."""
 
     target: object
     draft: object
-    compiled: bool
+    target_compiled: bool
+    draft_compiled: bool
     requested: str
     compile_seconds: float = 0.0
     note: str = ""
     costs: dict = field(default_factory=dict)
     """auto: the measured costs (ms) of each mode, {"eager": ..., "compiled": ...}."""
 
+    @property
+    def compiled(self) -> bool:
+        """Whether any step is compiled."""
+        return self.target_compiled or self.draft_compiled
+
+    @property
+    def mode(self) -> str:
+        return {(True, True): "compiled", (False, False): "eager", (False, True): "compiled draft",
+                (True, False): "compiled target"}[(self.target_compiled, self.draft_compiled)]
+
+    @contextlib.contextmanager
+    def running(self, target, draft, packed: bool = True):
+        """While decoding with these decoders: an eager model reads packed linear weights (`packed`,
+        eval/packed.py), and a recompilation is an error rather than seconds hidden in a request's wall time."""
+        from eval.packed import packed_linears
+
+        with (packed_linears(target, enabled=packed and not self.target_compiled),
+              packed_linears(draft, enabled=packed and not self.draft_compiled), no_recompiles(self.compiled)):
+            yield
+
     def to_dict(self) -> dict:
-        return {"mode": "compiled" if self.compiled else "eager", "requested": self.requested,
-                "compile_seconds": self.compile_seconds, "note": self.note, "costs": self.costs}
+        return {"mode": self.mode, "target_compiled": self.target_compiled, "draft_compiled": self.draft_compiled,
+                "requested": self.requested, "compile_seconds": self.compile_seconds, "note": self.note,
+                "costs": self.costs}
 
 
-_AUTO: "weakref.WeakKeyDictionary[object, tuple[bool, str]]" = weakref.WeakKeyDictionary()
-"""auto's decision per target (compiled, why) for the rest of the process: every checkpoint of a run is decoded the same way,
-so checkpoints are compared by their drafts, not by which mode a noisy measurement picked for each."""
+_AUTO: "weakref.WeakKeyDictionary[object, tuple[bool, bool, str]]" = weakref.WeakKeyDictionary()
+"""auto's decision per target (target compiled, draft compiled, why) for the rest of the process: every checkpoint
+of a run is decoded the same way, so checkpoints are compared by their drafts, not by which mode a noisy
+measurement picked for each."""
 
 
 def decisions_path():
@@ -242,16 +265,19 @@ def decision_key(target, draft, draft_vocab: torch.Tensor | None, k_max: int) ->
 
 
 def remembered(key: str) -> dict | None:
+    """The decision remembered for `key`; None where there is none, or only one taken before auto decided per
+    model (a single `compiled` for both), which is measured again."""
     path = decisions_path()
     if path is None or not path.is_file():
         return None
     try:
-        return json.loads(path.read_text()).get(key)
+        decision = json.loads(path.read_text()).get(key)
     except (ValueError, OSError):  # unreadable: measured again, and rewritten
         return None
+    return decision if isinstance(decision, dict) and {"target", "draft", "note", "decided"} <= set(decision) else None
 
 
-def remember(key: str, compiled: bool, note: str) -> None:
+def remember(key: str, target_compiled: bool, draft_compiled: bool, note: str) -> None:
     from eval.fsutil import atomic_write_json
 
     path = decisions_path()
@@ -261,70 +287,76 @@ def remember(key: str, compiled: bool, note: str) -> None:
         decisions = json.loads(path.read_text()) if path.is_file() else {}
     except (ValueError, OSError):
         decisions = {}
-    decisions[key] = {"compiled": compiled, "note": note, "decided": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    decisions[key] = {"target": target_compiled, "draft": draft_compiled, "note": note,
+                      "decided": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, decisions)
 
 
-def round_cost(costs) -> float:
-    """What auto compares: one draft token plus a target pass averaged over every length a round can verify
-    (1 to k + 1 tokens; 1 is also vanilla decoding's step). One-token costs alone hide a verify pass that costs
-    twice as much compiled as eagerly, as on a CPU without AVX-512 (docs/eval.md)."""
-    return costs.t_draft + sum(costs.t_target.values()) / len(costs.t_target)
+def mean_target_pass(costs) -> float:
+    """A target pass averaged over every length a round can verify (1 to k + 1 tokens; 1 is also vanilla
+    decoding's step). The one-token cost alone hides a verify pass that costs twice as much compiled as
+    eagerly, as on a CPU without AVX-512 (docs/eval.md)."""
+    return sum(costs.t_target.values()) / len(costs.t_target)
 
 
 def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: torch.Tensor | None,
                      probe_ids: list[int], max_length: int, k: int, freeze: bool | None = None) -> Decoders:
-    """Pick eager or compiled decoding for `mode` (`eval.compile`), compiling (outside any timing) when needed.
+    """Pick eager or compiled decoding of each model for `mode` (`eval.compile`), compiling (outside any timing)
+    what is needed.
 
-    `auto` compiles, then times a draft token and target passes over 1..k+1 tokens both ways (`measure_costs`,
-    eager with packed linears as the eager eval runs) and keeps the cheaper by `round_cost`; the decision holds
-    for that target for the rest of the process (a later checkpoint's draft is compiled only if it was
-    `compiled`), and is remembered on disk (`decisions_path`, keyed by `decision_key`) for later processes with the
-    same processor, torch and model shapes, which then compile nothing when it was eager: a study's variants,
-    a rerun. Where compiling cannot run (`compile_supported`) it decodes eagerly and says why.
-    `max_length`: the longest request (prompt + new tokens); `k`: the most draft tokens a round; `freeze`:
-    `StaticLM`'s."""
+    `auto` compiles both, then times a draft token and target passes over 1..k+1 tokens both ways
+    (`measure_costs`, eager with packed linears as the eager eval runs) and keeps for each model the cheaper:
+    the draft by its token, the target by `mean_target_pass` (their sum is a round's cost, so the pair is the
+    cheapest of the four). Either way vanilla and speculative decoding run the same target, so compiled is
+    compared with compiled. The decision holds for that target for the rest of the process (a later
+    checkpoint's draft is compiled only if drafts were), and is remembered on disk (`decisions_path`, keyed
+    by `decision_key`) for later processes with the same processor, torch and model shapes, which then
+    compile only what was kept: a study's variants, a rerun. Where compiling cannot run (`compile_supported`)
+    it decodes eagerly and says why. `max_length`: the longest request (prompt + new tokens); `k`: the most
+    draft tokens a round; `freeze`: `StaticLM`'s."""
     from eval.metrics import measure_costs
     from eval.packed import packed_linears
 
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     if mode == "off":
-        return Decoders(target, draft, compiled=False, requested=mode)
+        return Decoders(target, draft, False, False, requested=mode)
     device = next(target.parameters()).device
     reason = compile_supported(device)
     if reason is not None:
-        if mode == "on":
+        if mode != "auto":
             raise RuntimeError(f"compiled decoding cannot run on {device}: {reason}")
-        return Decoders(target, draft, compiled=False, requested=mode, note=f"eager: {reason}")
+        return Decoders(target, draft, False, False, requested=mode, note=f"eager: {reason}")
     k_max = max(8, k)
     decided = _AUTO.get(target) if mode == "auto" else None
     key = decision_key(target, draft, draft_vocab, k_max) if mode == "auto" else None
     if mode == "auto" and decided is None and (earlier := remembered(key)) is not None:
-        decided = (earlier["compiled"], f"{earlier['note']} (measured {earlier['decided']} by an earlier process on this "
-                                        f"machine and remembered in {decisions_path()}; delete it to measure again)")
+        decided = (earlier["target"], earlier["draft"],
+                   f"{earlier['note']} (measured {earlier['decided']} by an earlier process on this machine and "
+                   f"remembered in {decisions_path()}; delete it to measure again)")
         _AUTO[target] = decided
-    if decided is not None and not decided[0]:
-        return Decoders(target, draft, compiled=False, requested=mode, note=decided[1])
+    wanted = {"on": (True, True), "draft": (False, True)}.get(mode) or (decided[:2] if decided else (True, True))
     sizes = dict(max_length=max_length + k_max + 2, max_verify=k_max + 1, freeze=freeze)
-    target_lm = static_lm(target, vocab_size, None, **sizes)
-    draft_lm = static_lm(draft, vocab_size, draft_vocab, **sizes)
-    seconds = target_lm.warm_up(probe_ids) + draft_lm.warm_up(probe_ids)
-    decoders = Decoders(target_lm, draft_lm, compiled=True, requested=mode, compile_seconds=seconds)
+    target_lm = static_lm(target, vocab_size, None, **sizes) if wanted[0] else target
+    draft_lm = static_lm(draft, vocab_size, draft_vocab, **sizes) if wanted[1] else draft
+    seconds = sum(lm.warm_up(probe_ids) for lm in (target_lm, draft_lm) if isinstance(lm, StaticLM))
+    decoders = Decoders(target_lm, draft_lm, *wanted, requested=mode, compile_seconds=seconds)
     if decided is not None:
-        decoders.note = decided[1]
+        decoders.note = decided[2]
     elif mode == "auto":
         compiled = measure_costs(target_lm, draft_lm, probe_ids, k_max=k_max)
         with packed_linears(target), packed_linears(draft):
             eager = measure_costs(target, draft, probe_ids, k_max=k_max, draft_vocab=draft_vocab)
         decoders.costs = {"eager": eager.to_dict(), "compiled": compiled.to_dict()}
-        per_round = {name: round_cost(c) for name, c in (("eager", eager), ("compiled", compiled))}
-        if per_round["eager"] < per_round["compiled"]:
-            decoders.target, decoders.draft, decoders.compiled = target, draft, False
-        decoders.note = (f"auto: a draft token + a target pass over 1..{k_max + 1} tokens (mean) took "
-                         f"{1e3 * per_round['compiled']:.1f} ms compiled, {1e3 * per_round['eager']:.1f} ms eager; "
-                         f"{'compiled' if decoders.compiled else 'eager'} for this target from here on")
-        _AUTO[target] = (decoders.compiled, decoders.note)
-        remember(key, decoders.compiled, decoders.note)
+        if mean_target_pass(eager) <= mean_target_pass(compiled):
+            decoders.target, decoders.target_compiled = target, False
+        if eager.t_draft <= compiled.t_draft:
+            decoders.draft, decoders.draft_compiled = draft, False
+        decoders.note = (f"auto: a draft token took {1e3 * compiled.t_draft:.1f} ms compiled, {1e3 * eager.t_draft:.1f} ms "
+                         f"eager; a target pass over 1..{k_max + 1} tokens (mean) {1e3 * mean_target_pass(compiled):.1f} "
+                         f"ms compiled, {1e3 * mean_target_pass(eager):.1f} ms eager; {decoders.mode} for this target "
+                         f"from here on")
+        _AUTO[target] = (decoders.target_compiled, decoders.draft_compiled, decoders.note)
+        remember(key, decoders.target_compiled, decoders.draft_compiled, decoders.note)
     return decoders

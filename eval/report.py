@@ -19,11 +19,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from eval.compiled import no_recompiles, prepare_decoders, weights_version
+from eval.compiled import prepare_decoders, weights_version
 from eval.draft_vocab import restricted_head
 from eval.metrics import (CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, per_token_speedup, predicted_speedup,
                           theory_k)
-from eval.packed import packed_linears
 from eval.settings import EvalSettings
 from eval.speculative import Sampling, speculative_decode, vanilla_decode
 from eval.fsutil import atomic_write_json, atomic_write_text
@@ -139,8 +138,7 @@ def evaluate_pair(
     with restricted_head(draft, draft_vocab):
         decoders = prepare_decoders(target, draft, settings.compile, vocab_size=vocab, draft_vocab=sub_ids, probe_ids=encoded[0],
                                     max_length=max(map(len, encoded)) + settings.max_new_tokens, k=settings.k)
-        eager = not decoders.compiled
-        with packed_linears(target, enabled=eager), packed_linears(draft, enabled=eager), no_recompiles(decoders.compiled):
+        with decoders.running(target, draft):
             cache = VanillaCache.of(target) if settings.reuse_vanilla else VanillaCache()
             records, costs = _decode_all(decoders, cache, target, prompts, encoded, settings, pair, eos, vocab, sub_ids,
                                          device, progress, seed)
@@ -184,7 +182,7 @@ def _decode_all(decoders, vanilla_cache: VanillaCache, model, prompts, encoded, 
         for p_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
             request_seed = seed * 1_000_003 + t_index * 10_007 + p_index
             common = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=eos, vocab_size=vocab)
-            vanilla, reused = vanilla_cache.decode(model, target, ids, compiled=decoders.compiled, seed=request_seed,
+            vanilla, reused = vanilla_cache.decode(model, target, ids, compiled=decoders.target_compiled, seed=request_seed,
                                                    device=device, **common)
             spec = speculative_decode(
                 target, draft, ids, k=settings.k, generator=torch.Generator(device).manual_seed(request_seed),

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Union
 
 
-COMPILE_MODES = ("auto", "on", "off")
-"""`eval.compile`: whichever measured faster here, compiled, eager."""
+COMPILE_MODES = ("auto", "on", "off", "draft")
+"""`eval.compile`: per model whichever measured faster here; both compiled; both eager; the draft compiled."""
 
 
 class FieldError(ValueError):
@@ -57,9 +57,10 @@ class EvalSettings:
     """Acceptance outcomes in the guardrail's rolling window."""
     fallback_threshold: float = 0.4
     """Below this rolling acceptance a request finishes with vanilla decoding (0 disables)."""
-    compile: Union[Literal["auto", "on", "off"], bool] = "auto"
+    compile: Union[Literal["auto", "on", "off", "draft"], bool] = "auto"
     """`on`: a static KV cache and compiled decode steps (CUDA graphs on a GPU; eval/compiled.py); `off`: eager;
-    `auto`: compile, time a draft and a target token both ways, keep the faster (eager where compiling cannot run).
+    `draft`: the draft's steps compiled, the target eager; `auto`: compile, time a draft token and the target's
+    passes both ways, and keep for each model the faster (eager where compiling cannot run).
     YAML reads a bare on/off as true/false: both spellings mean the same."""
     reuse_vanilla: bool = False
     """A run measuring several checkpoints against one target: decode each request vanilla once and give later
@@ -71,7 +72,7 @@ class EvalSettings:
     def __post_init__(self):
         if isinstance(self.compile, bool):
             self.compile = "on" if self.compile else "off"
-        check(self.compile in COMPILE_MODES, "compile", f"must be auto, on or off, got {self.compile!r}")
+        check(self.compile in COMPILE_MODES, "compile", f"must be auto, on, off or draft, got {self.compile!r}")
         check(self.k >= 1, "k", f"must be >= 1, got {self.k}")
         check_temperatures(self.temperatures, "temperatures")
         for key in ("max_new_tokens", "num_prompts", "fallback_window"):

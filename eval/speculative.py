@@ -277,7 +277,9 @@ def output_vocab_size(model) -> int:
 
 def shared_vocab_size(target, draft, draft_vocab: torch.Tensor | None = None) -> int:
     """The vocabulary both models' logits are compared over: the rows both heads have (the rest is padding),
-    or the target's when the draft's head is restricted to `draft_vocab` (its rows are not the vocabulary)."""
+    or the target's when the draft's head is restricted to `draft_vocab` (its rows are not the vocabulary).
+    Either may be a `CachedLM` (one model compiled, the other eager): its model's head counts."""
+    target, draft = (m.model if isinstance(m, CachedLM) else m for m in (target, draft))
     if draft_vocab is not None:
         return output_vocab_size(target)
     return min(output_vocab_size(target), output_vocab_size(draft))

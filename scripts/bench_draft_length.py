@@ -21,11 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.compiled import no_recompiles, prepare_decoders  # noqa: E402
+from eval.compiled import prepare_decoders  # noqa: E402
 from eval.settings import COMPILE_MODES  # noqa: E402
 from eval.draft_vocab import load_draft_vocab, restricted_head  # noqa: E402
 from eval.metrics import per_token_speedup  # noqa: E402
-from eval.packed import packed_linears  # noqa: E402
 from eval.report import eos_ids, format_table  # noqa: E402
 from eval.speculative import Sampling, ratio, speculative_decode, vanilla_decode  # noqa: E402
 from eval.fsutil import atomic_write_json  # noqa: E402
@@ -76,8 +75,7 @@ def main() -> None:
         decoders = prepare_decoders(target, draft, args.compile, vocab_size=vocab, draft_vocab=sub_ids, probe_ids=encoded[0],
                                     max_length=max(map(len, encoded)) + args.max_new_tokens, k=k_max)
         print(f"decoder: {decoders.to_dict()}", file=sys.stderr, flush=True)
-        eager = not decoders.compiled
-        with packed_linears(target, enabled=eager), packed_linears(draft, enabled=eager), no_recompiles(decoders.compiled):
+        with decoders.running(target, draft):
             target, draft = decoders.target, decoders.draft  # the models, or their compiled StaticLMs
             speculative_decode(target, draft, encoded[0], k=3, max_new_tokens=8, vocab_size=vocab, draft_vocab=sub_ids)  # warm up
             for t_index, temperature in enumerate(temperatures):

@@ -122,25 +122,46 @@ def test_prepare_decoders_modes(models):
     target, drafts = models
     kwargs = dict(vocab_size=V, draft_vocab=None, probe_ids=PROMPTS[1], max_length=40, k=3)
     off = prepare_decoders(target, drafts["random"], "off", **kwargs)
-    assert not off.compiled and off.target is target
+    assert not off.compiled and off.target is target and off.mode == "eager"
     on = prepare_decoders(target, drafts["random"], "on", **kwargs)
-    assert on.compiled and isinstance(on.target, StaticLM) and on.compile_seconds > 0
+    assert on.compiled and isinstance(on.target, StaticLM) and on.compile_seconds > 0 and on.mode == "compiled"
     again = prepare_decoders(target, drafts["random"], "on", **kwargs)
     assert again.target is on.target  # compiled once per process
+    draft_only = prepare_decoders(target, drafts["trained"], "draft", **kwargs)
+    assert draft_only.target is target and isinstance(draft_only.draft, StaticLM) and draft_only.mode == "compiled draft"
+    assert not draft_only.target_compiled and draft_only.draft_compiled and draft_only.compile_seconds > 0
     auto = prepare_decoders(target, drafts["random"], "auto", **kwargs)
     assert set(auto.costs) == {"eager", "compiled"} and "auto:" in auto.note
 
-    def round_ms(costs):  # a draft token + the mean target pass over 1..k+1 tokens
-        return costs["t_draft_ms"] + sum(costs["t_target_ms"].values()) / len(costs["t_target_ms"])
+    def target_ms(costs):  # the mean target pass over 1..k+1 tokens
+        return sum(costs["t_target_ms"].values()) / len(costs["t_target_ms"])
 
-    faster = min(auto.costs, key=lambda m: round_ms(auto.costs[m]))
-    assert auto.compiled == (faster == "compiled") and isinstance(auto.target, CachedLM) == auto.compiled
+    # Each model is kept in the mode that measured cheaper for it.
+    eager, compiled = auto.costs["eager"], auto.costs["compiled"]
+    assert auto.target_compiled == (target_ms(compiled) < target_ms(eager)) == isinstance(auto.target, StaticLM)
+    assert auto.draft_compiled == (compiled["t_draft_ms"] < eager["t_draft_ms"]) == isinstance(auto.draft, StaticLM)
+    assert auto.mode in auto.note
     # A later checkpoint's draft: the decision stands for this target, nothing is measured again.
     later = prepare_decoders(target, drafts["trained"], "auto", **kwargs)
-    assert later.compiled == auto.compiled and later.costs == {} and later.note == auto.note
-    assert isinstance(later.draft, CachedLM) == auto.compiled
+    assert (later.target_compiled, later.draft_compiled) == (auto.target_compiled, auto.draft_compiled)
+    assert later.costs == {} and later.note == auto.note
+    assert isinstance(later.draft, CachedLM) == auto.draft_compiled
     with pytest.raises(ValueError, match="compile must be one of"):
         prepare_decoders(target, drafts["random"], "yes", **kwargs)
+
+
+def test_a_compiled_draft_beside_an_eager_target_is_exact(models):
+    """`eval.compile: draft`: the draft's compiled steps with the target eager; greedy output equals vanilla
+    decoding of the eager target, with and without a restricted draft head."""
+    target, drafts = models
+    kwargs = dict(vocab_size=V, probe_ids=PROMPTS[1], max_length=MAX_LENGTH - 12, k=4)
+    decoders = prepare_decoders(target, drafts["trained"], "draft", draft_vocab=None, **kwargs)
+    with decoders.running(target, drafts["trained"]):
+        for prompt in PROMPTS:
+            vanilla = vanilla_decode(decoders.target, prompt, max_new_tokens=30, vocab_size=V)
+            out = speculative_decode(decoders.target, decoders.draft, prompt, k=4, max_new_tokens=30, vocab_size=V)
+            assert out.output_ids == vanilla.output_ids == vanilla_decode(target, prompt, max_new_tokens=30).output_ids
+            assert out.rounds < 30  # the draft was used, not only the target
 
 
 def test_autos_decision_is_remembered_for_later_processes(models, monkeypatch):
@@ -155,15 +176,28 @@ def test_autos_decision_is_remembered_for_later_processes(models, monkeypatch):
     key = compiled.decision_key(target, drafts["random"], None, 8)
     assert "family" in key or "threads" in key
     saved = json.loads(compiled.decisions_path().read_text())
-    assert saved[key]["compiled"] == first.compiled and saved[key]["note"] == first.note
+    assert (saved[key]["target"], saved[key]["draft"]) == (first.target_compiled, first.draft_compiled)
+    assert saved[key]["note"] == first.note
     compiled._AUTO.clear()  # a new process
     later = prepare_decoders(target, drafts["trained"], "auto", **kwargs)
-    assert later.compiled == first.compiled and later.costs == {} and "remembered in" in later.note
-    saved[key]["compiled"] = False
+    assert (later.target_compiled, later.draft_compiled) == (first.target_compiled, first.draft_compiled)
+    assert later.costs == {} and "remembered in" in later.note
+    saved[key] |= {"target": False, "draft": True}
+    compiled.decisions_path().write_text(json.dumps(saved))
+    compiled._AUTO.clear()
+    mixed = prepare_decoders(target, drafts["trained"], "auto", **kwargs)
+    assert mixed.target is target and isinstance(mixed.draft, StaticLM) and mixed.costs == {}
+    saved[key] |= {"target": False, "draft": False}
     compiled.decisions_path().write_text(json.dumps(saved))
     compiled._AUTO.clear()
     eager = prepare_decoders(target, drafts["trained"], "auto", **kwargs)
-    assert not eager.compiled and eager.target is target and eager.compile_seconds == 0
+    assert not eager.compiled and eager.target is target and eager.draft is drafts["trained"] and eager.compile_seconds == 0
+    # One decision for both models, as auto took before it decided per model: measured again.
+    saved[key] = {"compiled": False, "note": "eager", "decided": "earlier"}
+    compiled.decisions_path().write_text(json.dumps(saved))
+    compiled._AUTO.clear()
+    again = prepare_decoders(target, drafts["trained"], "auto", **kwargs)
+    assert set(again.costs) == {"eager", "compiled"}
     # Another draft shape is another key: measured afresh.
     compiled._AUTO.clear()
     other = prepare_decoders(target, drafts["self"], "auto", **kwargs)

@@ -71,7 +71,7 @@ BAD = [
     ({"eval": {"k": 0}}, "recipe key 'eval.k': must be >= 1"),
     ({"eval": {"draft_confidence": 1.0}}, "recipe key 'eval.draft_confidence': must be in"),
     ({"eval": {"temperatures": [0.7, -1]}}, "recipe key 'eval.temperatures': temperatures must be >= 0"),
-    ({"eval": {"compile": "yes"}}, "recipe key 'eval.compile': expected one of 'auto', 'on', 'off' or true/false"),
+    ({"eval": {"compile": "yes"}}, "recipe key 'eval.compile': expected one of 'auto', 'on', 'off', 'draft' or true/false"),
     ({"generate": {"temperatures": [-0.5]}}, "recipe key 'generate.temperatures'"),
     ({"draft": {"init": "magic"}}, "recipe key 'draft.init': expected one of"),
     ({"draft": {"init": "pretrained"}}, "recipe key 'draft.model': required"),
