@@ -198,3 +198,34 @@ def test_a_second_checkpoint_reuses_the_targets_vanilla_decodes(monkeypatch, tin
         target.model.norm.weight.mul_(1.5)
     changed, decoded = measure(trained_draft(target, steps=5))
     assert decoded == 6 and changed["vanilla_reused"] == 0 and changed["greedy_identical_to_vanilla"] == 1.0
+
+
+def test_compare_pairs_requests_by_prompt_and_temperature(tmp_path, capsys):
+    from eval.compare import main as compare_main
+
+    def write(name, alphas):
+        rows = [{"request_id": f"p{i}", "temperature": t, "alpha": alpha, "speedup_observed": 1.0 + alpha}
+                for (i, t), alpha in alphas.items()]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+
+    a = write("a", {(0, 0.0): 0.2, (1, 0.0): 0.5, (2, 0.0): 0.3, (0, 0.7): 0.1, (3, 0.0): 0.9})
+    b = write("b", {(0, 0.0): 0.3, (1, 0.0): 0.7, (2, 0.0): 0.3, (0, 0.7): 0.4})
+    compare_main([a, b, "--out", str(tmp_path / "cmp.json")])
+    result = json.loads((tmp_path / "cmp.json").read_text())
+    assert (result["requests_paired"], result["only_a"], result["only_b"]) == (4, 1, 0)
+    greedy = result["by_temperature"]["0.0"]["alpha"]
+    # B - A over the three paired greedy prompts: 0.1, 0.2, 0.0 -> mean 0.1, sd 0.1, se 0.1 / sqrt(3).
+    assert greedy["a"] == pytest.approx(1 / 3) and greedy["b"] == pytest.approx(1.3 / 3)
+    assert greedy["b_minus_a"] == pytest.approx(0.1) and greedy["b_minus_a_se"] == pytest.approx(0.1 / 3 ** 0.5)
+    sampled = result["by_temperature"]["0.7"]
+    assert sampled["requests"] == 1 and sampled["alpha"]["b_minus_a"] == pytest.approx(0.3)
+    assert sampled["alpha"]["b_minus_a_se"] is None
+    assert "+0.100 ± 0.058" in capsys.readouterr().out
+    c = write("c", {(9, 0.0): 0.5})
+    for bad in ([a, c], [a, str(tmp_path / "missing")]):
+        with pytest.raises(SystemExit) as exit_:
+            compare_main(bad)
+        assert exit_.value.code == 2
+    assert "share no request" in capsys.readouterr().err
