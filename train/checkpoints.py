@@ -94,6 +94,9 @@ def save_checkpoint(recipe, accelerator, draft, scheduler, tokenizer, run_dir: P
     accelerator.wait_for_everyone()
     try:
         _write_checkpoint(recipe, accelerator, draft, scheduler, tokenizer, tmp, step, global_batch)
+        # Every process writes its own RNG state into tmp: rename only once all have, or a late one's file is
+        # written into a recreated temporary directory and lost.
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             if final.exists():  # a damaged checkpoint of an earlier run at the same step: replaced whole
                 shutil.rmtree(final)
