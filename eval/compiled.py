@@ -252,11 +252,11 @@ def decisions_path():
 def decision_key(target, draft, draft_vocab: torch.Tensor | None, k_max: int) -> str:
     """What auto's measurement depends on: the processor, the torch version, both models' sizes and dtypes, the
     draft's head and the longest verify pass."""
-    from eval.models import describe_processor
+    from eval.models import describe_processor, dtype_name
 
     def shape(model) -> str:
         first = next(model.parameters())
-        return f"{type(model).__name__} {sum(p.numel() for p in model.parameters())} {str(first.dtype).removeprefix('torch.')}"
+        return f"{type(model).__name__} {sum(p.numel() for p in model.parameters())} {dtype_name(first.dtype)}"
 
     device = next(target.parameters()).device
     head = "full head" if draft_vocab is None else f"head of {len(draft_vocab)}"

@@ -152,7 +152,7 @@ def test_prepare_decoders_modes(models):
 
 def test_a_compiled_draft_beside_an_eager_target_is_exact(models):
     """`eval.compile: draft`: the draft's compiled steps with the target eager; greedy output equals vanilla
-    decoding of the eager target, with and without a restricted draft head."""
+    decoding of the eager target."""
     target, drafts = models
     kwargs = dict(vocab_size=V, probe_ids=PROMPTS[1], max_length=MAX_LENGTH - 12, k=4)
     decoders = prepare_decoders(target, drafts["trained"], "draft", draft_vocab=None, **kwargs)

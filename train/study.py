@@ -283,12 +283,10 @@ def wall_seconds(variant_dir: Path, data_dir: Path) -> dict:
 def spread_over_prompts(requests: list[dict]) -> dict:
     """The standard error of the mean per-request alpha and observed speedup: how much the figures would move
     with another draw of as many prompts (the variants share their prompts, so a paired difference moves less)."""
+    from eval.compare import mean_and_se
+
     def se(values):
-        values = [v for v in values if v is not None]
-        if len(values) < 2:
-            return None
-        mean = sum(values) / len(values)
-        return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+        return mean_and_se([v for v in values if v is not None])[1]
 
     return {"alpha_se": se([q["alpha"] for q in requests]),
             "speedup_observed_se": se([q["speedup_observed"] for q in requests]), "requests": len(requests)}
