@@ -176,6 +176,13 @@ def static_lm(model, vocab_size: int, token_ids: torch.Tensor | None, *, max_len
     return lm
 
 
+def forget_compiled() -> None:
+    """Drop the process's compiled `StaticLM`s and dynamo's compiled code, so the next compiled decoding
+    compiles afresh (a benchmark comparing inductor settings: nothing is served by another setting's graphs)."""
+    _LMS.clear()
+    torch._dynamo.reset()
+
+
 def _serves(lm: StaticLM, model, vocab_size: int, token_ids: torch.Tensor | None, max_length: int, max_verify: int,
             freeze: bool | None) -> bool:
     """Whether `lm`, built earlier for `model`, serves these settings: the same head (vocabulary size and draft

@@ -8,9 +8,11 @@ times in one run, on the same prompts:
   on a CPU also `packed` (eager with oneDNN-packed linears, what the eager eval runs), and `compiled` (a static
   KV cache and compiled steps, CUDA graphs on a GPU: eval/compiled.py, `eval.compile: on`), and on a CPU
   `compiled-frozen` (the same with inductor's freezing: weights folded in as constants and prepacked for
-  oneDNN, where `compiled` reads them as inputs and a float32 matmul lays them out again on each call) and
+  oneDNN, where `compiled` reads them as inputs and a float32 matmul lays them out again on each call),
   `compiled-draft` (the draft compiled, the target eager with packed linears: `eval.compile: draft`, what
-  `auto` picks where only the draft gains from compiling);
+  `auto` picks where only the draft gains from compiling) and `compiled-cpp` (`compiled` with inductor's
+  `cpp_wrapper`: C++ instead of Python around the compiled kernels, which removes Python's per-call work;
+  named with --modes only, as it compiles for minutes). Each compiled mode compiles afresh;
 - transformers' `generate()` as a serving user would compare: eager, and with `cache_implementation="static"`
   (compiled; the vanilla baseline of a compiled stack), and assisted generation (`assistant_model=`, same k).
 
@@ -33,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.compiled import prepare_decoders  # noqa: E402
+from eval.compiled import forget_compiled, prepare_decoders  # noqa: E402
 from eval.draft_vocab import load_draft_vocab, restricted_head  # noqa: E402
 from eval.metrics import measure_costs, predicted_speedup  # noqa: E402
 from eval.packed import packed_linears  # noqa: E402
@@ -74,11 +76,18 @@ def hf_generate(target, ids, max_new_tokens, eos, *, static=False, draft=None, k
     return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
-MODES = ("eager", "packed", "compiled", "compiled-frozen", "compiled-draft")
+MODES = ("eager", "packed", "compiled", "compiled-frozen", "compiled-draft", "compiled-cpp")
 
 
 def bench_mode(mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla):
     compile_mode = {"compiled-draft": "draft"}.get(mode, "on" if mode.startswith("compiled") else "off")
+    if compile_mode != "off":
+        forget_compiled()  # no mode decodes with an earlier mode's graphs, and each reports its whole compile time
+    with torch._inductor.config.patch(cpp_wrapper=mode == "compiled-cpp"):
+        return _bench_mode(mode, compile_mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla)
+
+
+def _bench_mode(mode, compile_mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla):
     decoders = prepare_decoders(target, draft, compile_mode, vocab_size=vocab, draft_vocab=sub_ids, probe_ids=prompts[0],
                                 freeze=True if mode == "compiled-frozen" else None,
                                 max_length=max(map(len, prompts)) + args.max_new_tokens, k=args.k)
@@ -169,7 +178,8 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    modes = args.modes.split(",") if args.modes else (list(MODES) if device.type == "cpu" else ["eager", "compiled", "compiled-draft"])
+    cpu_modes = [m for m in MODES if m != "compiled-cpp"]
+    modes = args.modes.split(",") if args.modes else (cpu_modes if device.type == "cpu" else ["eager", "compiled", "compiled-draft"])
     if set(modes) - set(MODES):
         parser.error(f"--modes: unknown mode in {args.modes!r}; expected {', '.join(MODES)}")
     tokenizer = load_tokenizer(args.target)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import StubDraft, make_model, trained_draft
-from eval.compiled import StaticLM, compile_supported, prepare_decoders, static_lm
+from eval.compiled import StaticLM, compile_supported, forget_compiled, prepare_decoders, static_lm
 from eval.speculative import CachedLM, Sampling, speculative_decode, vanilla_decode
 
 V = 64
@@ -221,6 +221,16 @@ def test_the_target_stays_compiled_and_an_old_draft_is_released(models):
     gc.collect()
     assert old_lm() is None
     assert static_lm(target, V, None, **sizes) is target_lm
+
+
+def test_forget_compiled_builds_every_model_afresh():
+    """A benchmark comparing inductor settings forgets what was compiled: no later mode is served by it."""
+    model = make_model(V, layers=1, hidden=32, seed=14)
+    sizes = dict(max_length=MAX_LENGTH, max_verify=4)
+    lm = static_lm(model, V, None, **sizes)
+    assert static_lm(model, V, None, **sizes) is lm
+    forget_compiled()
+    assert static_lm(model, V, None, **sizes) is not lm
 
 
 def test_frozen_steps_are_rebuilt_when_the_weights_change():
