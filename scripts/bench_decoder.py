@@ -12,7 +12,7 @@ times in one run, on the same prompts:
   `compiled-draft` (the draft compiled, the target eager with packed linears: `eval.compile: draft`, what
   `auto` picks where only the draft gains from compiling) and `compiled-cpp` (`compiled` with inductor's
   `cpp_wrapper`: C++ instead of Python around the compiled kernels, which removes Python's per-call work;
-  named with --modes only, as it compiles for minutes). Each compiled mode compiles afresh;
+  named with --modes only, as it compiles afresh for minutes);
 - transformers' `generate()` as a serving user would compare: eager, and with `cache_implementation="static"`
   (compiled; the vanilla baseline of a compiled stack), and assisted generation (`assistant_model=`, same k).
 
@@ -81,10 +81,14 @@ MODES = ("eager", "packed", "compiled", "compiled-frozen", "compiled-draft", "co
 
 def bench_mode(mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla):
     compile_mode = {"compiled-draft": "draft"}.get(mode, "on" if mode.startswith("compiled") else "off")
-    if compile_mode != "off":
-        forget_compiled()  # no mode decodes with an earlier mode's graphs, and each reports its whole compile time
-    with torch._inductor.config.patch(cpp_wrapper=mode == "compiled-cpp"):
+    if mode != "compiled-cpp":
         return _bench_mode(mode, compile_mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla)
+    forget_compiled()  # compiled afresh with the C++ wrapper, not served by another mode's graphs
+    try:
+        with torch._inductor.config.patch(cpp_wrapper=True):
+            return _bench_mode(mode, compile_mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla)
+    finally:
+        forget_compiled()  # and no later mode is served by its graphs
 
 
 def _bench_mode(mode, compile_mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla):
