@@ -27,6 +27,7 @@ issue 15's goals, and writes JSON (default runs/bench/bench_decoder.json). Name 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -79,19 +80,25 @@ def hf_generate(target, ids, max_new_tokens, eos, *, static=False, draft=None, k
 MODES = ("eager", "packed", "compiled", "compiled-frozen", "compiled-draft", "compiled-cpp")
 
 
-def bench_mode(mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla):
-    compile_mode = {"compiled-draft": "draft"}.get(mode, "on" if mode.startswith("compiled") else "off")
-    if mode != "compiled-cpp":
-        return _bench_mode(mode, compile_mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla)
-    forget_compiled()  # compiled afresh with the C++ wrapper, not served by another mode's graphs
+@contextlib.contextmanager
+def cpp_wrapper():
+    """While the block runs, inductor compiles with its C++ wrapper, afresh: no graph of another mode serves it,
+    and none of its graphs serves a later mode."""
+    forget_compiled()
     try:
         with torch._inductor.config.patch(cpp_wrapper=True):
-            return _bench_mode(mode, compile_mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla)
+            yield
     finally:
-        forget_compiled()  # and no later mode is served by its graphs
+        forget_compiled()
 
 
-def _bench_mode(mode, compile_mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla):
+def bench_mode(mode, *args):
+    with cpp_wrapper() if mode == "compiled-cpp" else contextlib.nullcontext():
+        return _bench_mode(mode, *args)
+
+
+def _bench_mode(mode, target, draft, prompts, args, eos, vocab, sub_ids, eager_vanilla):
+    compile_mode = {"compiled-draft": "draft"}.get(mode, "on" if mode.startswith("compiled") else "off")
     decoders = prepare_decoders(target, draft, compile_mode, vocab_size=vocab, draft_vocab=sub_ids, probe_ids=prompts[0],
                                 freeze=True if mode == "compiled-frozen" else None,
                                 max_length=max(map(len, prompts)) + args.max_new_tokens, k=args.k)
