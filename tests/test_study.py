@@ -85,6 +85,10 @@ def test_study_shares_data_writes_one_row_per_variant_and_resumes_only_unfinishe
         assert row["by_temperature"]["0.0"]["requests"] == 2 and row["by_temperature"]["0.0"]["alpha_se"] is not None
         assert row["by_temperature"]["0.0"]["alpha"] is not None and row["distill_steps"] == 2
         assert row["distill_tokens"] > 0 and row["best_checkpoint"] == "checkpoint-2"
+        log = [json.loads(line) for line in (run_dir / row["variant"] / "distill" / "log.jsonl").read_text().splitlines()]
+        # Two steps: one step at each end for the loss, the median over both for the throughput.
+        assert row["distill_loss"] == {"steps": 1, "first": log[0]["train/loss"], "last": log[1]["train/loss"]}
+        assert row["distill_tokens_per_s"] == pytest.approx(sum(s["train/tokens_per_s"] for s in log) / 2)
         assert (run_dir / row["variant"] / "export" / "config.json").is_file()
         # Wall time per stage from the runs' timings.json: the shared data's generate, the variant's own stages.
         wall = row["wall_seconds"]
@@ -108,6 +112,16 @@ def test_study_shares_data_writes_one_row_per_variant_and_resumes_only_unfinishe
     assert rows_again.returncode == 0, rows_again.stderr[-2000:]
     assert json.loads((run_dir / "study.json").read_text())["variants"] == result["variants"]
     assert (run_dir / "fkl" / "export" / "model.safetensors").stat().st_mtime_ns == export_at
+
+
+def test_distill_progress_averages_the_ends_and_takes_the_median_after_the_first_quarter():
+    from train.study import distill_progress
+
+    steps = [{"train/loss": float(i), "train/tokens_per_s": float(i)} for i in range(200)]
+    assert distill_progress(steps) == {"distill_loss": {"steps": 50, "first": 24.5, "last": 174.5},
+                                       "distill_tokens_per_s": 124.5}  # the median of steps 50..199
+    assert distill_progress(steps[:12])["distill_loss"] == {"steps": 3, "first": 1.0, "last": 10.0}
+    assert distill_progress([]) == {"distill_loss": None, "distill_tokens_per_s": None}
 
 
 @pytest.mark.parametrize("variants, message", [

@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import typing
@@ -260,8 +261,21 @@ def variant_row(variant: Variant, variant_dir: Path) -> dict:
         "distill_tokens": int(sum(s["train/tokens"] for s in steps)),
         # Step time only (the logged tokens/s of each step); checkpoint writing and measuring excluded.
         "distill_seconds": sum(s["train/tokens"] / s["train/tokens_per_s"] for s in steps if s["train/tokens_per_s"]),
+        **distill_progress(steps),
         "wall_seconds": wall_seconds(variant_dir, data_dir_of(variant_dir.parent, variant)),
     }
+
+
+def distill_progress(steps: list[dict], window: int = 50) -> dict:
+    """The training loss at the start and at the end (the mean over the first and the last `window` steps, a
+    quarter of the run when that is fewer) and the step throughput (the median training tokens a second over
+    the steps after the first quarter, so the warm-up and the first compilation stay out)."""
+    if not steps:
+        return {"distill_loss": None, "distill_tokens_per_s": None}
+    n = min(window, max(1, len(steps) // 4))
+    losses = [s["train/loss"] for s in steps]
+    return {"distill_loss": {"steps": n, "first": statistics.fmean(losses[:n]), "last": statistics.fmean(losses[-n:])},
+            "distill_tokens_per_s": statistics.median(s["train/tokens_per_s"] for s in steps[len(steps) // 4:])}
 
 
 def wall_seconds(variant_dir: Path, data_dir: Path) -> dict:
@@ -353,7 +367,7 @@ def study_markdown(result: dict) -> str:
     rows = result["variants"]
     temps = list(rows[0]["by_temperature"])
     headers = ["variant"] + [f"{name} T={t}" for t in temps for name in ("α", "τ", "speedup")] + [
-        "draft head", "distill min", "distill tokens", "data tokens", "generate min", "wall min", "best", "winner"]
+        "draft head", "distill min", "distill tokens", "loss first → last", "tokens/s", "data tokens", "generate min", "wall min", "best", "winner"]
     table = []
     for r in rows:
         cells = [r["variant"]]
@@ -362,7 +376,11 @@ def study_markdown(result: dict) -> str:
             cells += [_pm(m["alpha"], m.get("alpha_se")), m["tau"], _pm(m["speedup_observed"], m.get("speedup_observed_se"))]
         wall = r.get("wall_seconds") or {}
         minutes = [round(wall[key] / 60, 1) if key in wall else "-" for key in ("generate", "total")]
-        cells += [_head(r.get("draft_head"), temps), round(r["distill_seconds"] / 60, 1), r["distill_tokens"], r["data"]["completion_tokens"], *minutes,
+        loss = r.get("distill_loss")  # absent in a row written before it was kept: `--report` adds it
+        throughput = r.get("distill_tokens_per_s")
+        cells += [_head(r.get("draft_head"), temps), round(r["distill_seconds"] / 60, 1), r["distill_tokens"],
+                  f"{loss['first']:.2f} → {loss['last']:.2f}" if loss else "-", round(throughput) if throughput else "-",
+                  r["data"]["completion_tokens"], *minutes,
                   r["best_checkpoint"], "*" if r["variant"] == result["winner"] else ""]
         table.append(cells)
     domains = sorted({d for r in rows for t in temps for d in r["alpha_by_domain"].get(t, {})})
