@@ -90,7 +90,10 @@ def measure_costs(target, draft, prefix_ids: list[int], *, k_max: int = 8, repea
     round, and each cost is the median: a slow moment of the machine hits every m alike instead of
     one of them.
     """
-    vocab = None if isinstance(target, CachedLM) else shared_vocab_size(target, draft, draft_vocab)
+    # A given `CachedLM` keeps its own vocabulary; a bare model beside it (auto may compile one and not the
+    # other) is wrapped over the same one.
+    given = [lm.vocab_size for lm in (target, draft) if isinstance(lm, CachedLM)]
+    vocab = given[0] if given else shared_vocab_size(target, draft, draft_vocab)
     probe = (prefix_ids * (1 + (k_max + 1) // max(len(prefix_ids), 1)))[: k_max + 1]
     target_lm, draft_lm = as_lm(target, vocab), as_lm(draft, vocab, draft_vocab)
     target_lm.forward(prefix_ids, keep=1)

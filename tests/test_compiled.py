@@ -164,6 +164,22 @@ def test_a_compiled_draft_beside_an_eager_target_is_exact(models):
             assert out.rounds < 30  # the draft was used, not only the target
 
 
+def test_costs_are_measured_with_one_model_compiled(models, lms):
+    """auto keeps each model the way it measured cheaper, so the eval may time a compiled target beside an eager
+    draft with a reduced head (as a Xeon with AMX decided for the default pair), or the reverse."""
+    from eval.draft_vocab import restricted_head
+    from eval.metrics import measure_costs
+
+    target, drafts = models
+    target_lm, draft_lms = lms
+    ids = list(range(0, V, 2))
+    with restricted_head(drafts["trained"], ids):
+        mixed = measure_costs(target_lm, drafts["trained"], PROMPTS[1], k_max=3, repeats=1, draft_vocab=torch.tensor(ids))
+    reverse = measure_costs(target, draft_lms["trained"], PROMPTS[1], k_max=3, repeats=1)
+    for costs in (mixed, reverse):
+        assert costs.t_draft > 0 and sorted(costs.t_target) == [1, 2, 3, 4] and min(costs.t_target.values()) > 0
+
+
 def test_autos_decision_is_remembered_for_later_processes(models, monkeypatch):
     """auto's decision is written to disk under a key of processor, torch and model shapes; a later process (here:
     the per-process decisions cleared) takes it without measuring, and compiles nothing when it was eager."""
