@@ -70,6 +70,26 @@ def test_greedy_rows_equal_unbatched_greedy_decoding(reference, tiny_target_dir)
         assert row["completion_ids"] == alone.output_ids
 
 
+def test_stored_topk_is_the_targets_own_distribution_at_each_completion_position(reference, tiny_target_dir):
+    """The top-k log-probs recorded during generation are, position by position, those of the target over the
+    prompt and the completion in one pass (no step shifted, none missing, temperature 1)."""
+    import torch
+
+    from eval.models import load_model
+
+    target = load_model(str(tiny_target_dir), device="cpu")
+    rows = list(load_generated(reference[0]))
+    for row in [r for r in rows if r["temperature"] == 0][:3] + [r for r in rows if r["temperature"] > 0][:3]:
+        prompt, completion = row["prompt_ids"], row["completion_ids"]
+        with torch.no_grad():
+            logits = target(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        values, indices = logits.float().log_softmax(-1).topk(3, dim=-1)
+        assert row["topk_ids"] == indices.tolist()
+        assert torch.allclose(torch.tensor(row["topk_logprobs"]), values, atol=2e-2)
+        if row["temperature"] == 0:
+            assert [ids[0] for ids in row["topk_ids"]] == completion  # greedy: the recorded top-1 is the token written
+
+
 def test_rerun_is_a_no_op_and_kill_then_resume_matches(reference, tmp_path, tiny_target_dir):
     ref_dir, _ = reference
     again = run_train(write_recipe(tmp_path, tiny_target_dir, ref_dir, topk_logprobs=3))

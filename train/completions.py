@@ -4,6 +4,7 @@ processes and files; self-written prompts (train/self_written.py) use the same c
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -45,22 +46,42 @@ def generate_batch(target, tokenizer, rows: list[Row], generate, seed: int):
     kwargs = dict(do_sample=False) if temperature == 0 else dict(
         do_sample=True, temperature=temperature, top_p=generate.top_p, top_k=generate.top_k or None)
     torch.manual_seed(seed)
-    out = target.generate(
-        input_ids=input_ids.to(device), attention_mask=attention.to(device), max_new_tokens=generate.max_new_tokens,
-        eos_token_id=eos, pad_token_id=pad, return_dict_in_generate=True, output_logits=generate.topk_logprobs > 0, **kwargs,
-    )
+    steps = []  # per generate step, the top-k log-probs of every row (the full logits are never kept)
+    with _topk_per_step(target, generate.topk_logprobs, steps):
+        out = target.generate(
+            input_ids=input_ids.to(device), attention_mask=attention.to(device), max_new_tokens=generate.max_new_tokens,
+            eos_token_id=eos, pad_token_id=pad, return_dict_in_generate=True, **kwargs,
+        )
     completions = out.sequences[:, width:].tolist()
+    if steps:
+        values = torch.stack([v for v, _ in steps], dim=1).half().tolist()  # (rows, steps, k)
+        indices = torch.stack([i for _, i in steps], dim=1).tolist()
     results = []
     for i, ids in enumerate(completions):
         finish = "length"
         if eos in ids:
             ids = ids[: ids.index(eos) + 1]
             finish = "eos"
-        topk = None
-        if generate.topk_logprobs:
-            # log-probs of the raw logits (temperature 1), top-k per position, stored as float16.
-            steps = torch.stack([step[i] for step in out.logits[: len(ids)]]).float().log_softmax(-1)  # (n, V)
-            values, indices = steps.topk(generate.topk_logprobs, dim=-1)
-            topk = (indices.tolist(), values.half().tolist())
+        topk = (indices[i][: len(ids)], values[i][: len(ids)]) if steps else None
         results.append((ids, finish, topk))
     return results
+
+
+@contextlib.contextmanager
+def _topk_per_step(target, k: int, steps: list):
+    """While `generate` runs, each pass's top-`k` log-probs of the raw logits (temperature 1, float32, the
+    last position of every row) go to `steps` as (values, indices): what `output_logits=True` would give
+    after a log-softmax and top-k, without holding every step's logits over the whole vocabulary."""
+    if k <= 0:
+        yield
+        return
+
+    def record(_module, _inputs, output):
+        values, indices = output.logits[:, -1].float().log_softmax(-1).topk(k, dim=-1)
+        steps.append((values, indices))
+
+    handle = target.register_forward_hook(record)
+    try:
+        yield
+    finally:
+        handle.remove()
