@@ -37,6 +37,8 @@ def main():
     parser.add_argument("--batched", default="float32:16",
                         help="comma-separated DTYPE:BATCH_SIZE settings to time batched (generate.dtype, generate.batch_size)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--topk-logprobs", type=int, default=0,
+                        help="top-k log-probs recorded per token, as the generate stage does (the default recipe: 20)")
     parser.add_argument("--plain-linears", action="store_true", help="PyTorch's own linear layers, unpacked")
     parser.add_argument("--out", default="runs/bench/bench_generate.json")
     args = parser.parse_args()
@@ -51,7 +53,8 @@ def main():
 
     def timed(model, batch_size):
         """Completions and seconds of greedy generation for every row, `batch_size` rows a `generate` call."""
-        settings = GenerateSection(temperatures=[0.0], max_new_tokens=args.max_new_tokens, batch_size=batch_size)
+        settings = GenerateSection(temperatures=[0.0], max_new_tokens=args.max_new_tokens, batch_size=batch_size,
+                                     topk_logprobs=args.topk_logprobs)
         with packed_linears(model, enabled=not args.plain_linears):
             generate_batch(model, tokenizer, rows[:2], settings, seed=0)  # warm-up
             start, completions = time.perf_counter(), []
@@ -88,14 +91,15 @@ def main():
                       "-" if agreement is None else f"{agreement:.3f}"])
     result = {
         "prompts": len(rows), "packed_linears": not args.plain_linears, "max_new_tokens": args.max_new_tokens,
-        "device": str(target.device), "processor": describe_processor(), "threads": torch.get_num_threads(),
+        "topk_logprobs": args.topk_logprobs, "device": str(target.device), "processor": describe_processor(),
+        "threads": torch.get_num_threads(),
         "tokens_single": single_tokens, "seconds_single": t_single, "tokens_per_s_single": single_tokens / t_single,
         "batched": settings,
     }
     result["ratio"] = settings[0]["ratio"]
     result["goal_ratio_ge_4"] = result["ratio"] >= 4
     print(f"{args.target}, greedy, {len(rows)} prompts, {args.max_new_tokens} new tokens, device {target.device}, "
-          f"{result['processor']}, {'plain' if args.plain_linears else 'packed'} linears")
+          f"{result['processor']}, {'plain' if args.plain_linears else 'packed'} linears, top-{args.topk_logprobs} log-probs")
     print(format_table(["mode", "tokens", "seconds", "tokens/s", "x single", "target's greedy token"], table))
     print(f"ratio batched ({batched[0][1]}, {batched[0][0]}) / single: {result['ratio']:.2f}x (goal >= 4x)")
     print(f"wrote {atomic_write_json(args.out, result)}")
