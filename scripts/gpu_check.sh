@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One prepared GPU check (about 8 minutes on one GPU): bash scripts/gpu_check.sh TARGET [OUT_DIR]
 #   TARGET: the default target as a local model directory or .gguf file (a GPU machine may have no hub access).
-# 1. the default recipe with fewer steps on CUDA (generate, distill, eval with eval.compile=auto, export);
+# 1. the default recipe with fewer prompts and steps on CUDA (generate, distill, eval with eval.compile=auto, export);
 # 2. the exported draft measured with `python -m eval`, compiled, in float32 and in bfloat16 (the share of greedy
 #    requests identical to vanilla is in each report);
 # 3. the decoder benchmark (eager against compiled, transformers' static-cache generate() as the baseline);
 # and one JSON summary, OUT_DIR/gpu_check.json (default OUT_DIR: runs/gpu_check), with the GPU's name.
-# Knobs (environment): GPU_CHECK_STEPS (default 300), GPU_CHECK_PROMPTS (eval prompts, default 20),
+# Knobs (environment): GPU_CHECK_STEPS (default 300), GPU_CHECK_WRITTEN (self-written training prompts, default 400),
+# GPU_CHECK_PROMPTS (eval prompts, default 20),
 # GPU_CHECK_WHEELS (a folder of wheels to install first, offline), PYTHON (default python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,7 @@ target=$1
 out=${2:-runs/gpu_check}
 py=${PYTHON:-python}
 steps=${GPU_CHECK_STEPS:-300}
+written=${GPU_CHECK_WRITTEN:-400}
 prompts=${GPU_CHECK_PROMPTS:-20}
 if [ ! -e "$target" ]; then
   echo "gpu_check: error: target '$target' not found (a model directory or .gguf file)" >&2
@@ -30,9 +32,9 @@ mkdir -p "$out"
 export WANDB_MODE=offline HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 stamp() { date +%s.%N; }
 t0=$(stamp)
-# 1. The default recipe, fewer steps, on the GPU (the recipe picks cuda when there is one).
+# 1. The default recipe, fewer prompts and steps, on the GPU (the recipe picks cuda when there is one).
 "$py" -m train recipes/default.yaml "target.model=$target" "output_dir=$out/run" tracking.report_to=none \
-  "distill.max_steps=$steps" "distill.checkpoint_every=$steps" generate.batch_size=64 "eval.num_prompts=$prompts" eval.compile=auto \
+  "data.self_written.num_prompts=$written" "distill.max_steps=$steps" "distill.checkpoint_every=$steps" generate.batch_size=64 "eval.num_prompts=$prompts" eval.compile=auto \
   2>&1 | tee "$out/train.log" | grep -v -E "it/s|s/it|step/s|s/step|req/s|s/req" || true
 t1=$(stamp)
 # 2. The export measured compiled, in float32 and bfloat16 (vanilla and speculative in the same dtype).
