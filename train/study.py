@@ -402,6 +402,7 @@ def plot_study(result: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rows = result["variants"]
     temps = list(rows[0]["by_temperature"])
@@ -427,8 +428,10 @@ def plot_study(result: dict, path: Path) -> None:
                 axes[2].annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         axes[2].set(xlabel="generated training tokens", ylabel="alpha", title="alpha against training data")
         axes[2].set_xscale("log")  # data sizes grow by factors: 60k, 220k, 660k tokens
+        # ticks at the variants' own sizes: a range inside one decade would otherwise show no label at all
+        axes[2].set_xticks(sorted({r["data"]["completion_tokens"] for r in rows}))
+        axes[2].xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         axes[2].xaxis.set_major_formatter(lambda x, _: f"{x / 1000:,.0f}k")
-        axes[2].xaxis.set_minor_formatter(lambda x, _: "")
         axes[2].margins(x=0.15)
     else:  # one data set for all: where each variant's alpha comes from instead
         t = temps[0]
