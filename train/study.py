@@ -419,17 +419,17 @@ def plot_study(result: dict, path: Path) -> None:
         ax.set(ylabel=label, title=f"{label} by variant")
         ax.legend(fontsize=8)
     axes[0].axhline(1.0, color="grey", lw=0.8, ls="--")
-    if len({r["data"]["completion_tokens"] for r in rows}) > 1:
+    sizes = [r["data"]["completion_tokens"] for r in rows]
+    if len(set(sizes)) > 1:
         for t in temps:
-            xs = [r["data"]["completion_tokens"] for r in rows]
             ys = [r["by_temperature"][t]["alpha"] or 0.0 for r in rows]
-            axes[2].scatter(xs, ys, label=f"T={t}")
-            for x, y, name in zip(xs, ys, names):
+            axes[2].scatter(sizes, ys, label=f"T={t}")
+            for x, y, name in zip(sizes, ys, names):
                 axes[2].annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         axes[2].set(xlabel="generated training tokens", ylabel="alpha", title="alpha against training data")
         axes[2].set_xscale("log")  # data sizes grow by factors: 60k, 220k, 660k tokens
         # ticks at the variants' own sizes: a range inside one decade would otherwise show no label at all
-        axes[2].set_xticks(sorted({r["data"]["completion_tokens"] for r in rows}))
+        axes[2].set_xticks(sorted(set(sizes)))
         axes[2].xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         axes[2].xaxis.set_major_formatter(lambda x, _: f"{x / 1000:,.0f}k")
         axes[2].margins(x=0.15)
