@@ -208,3 +208,34 @@ def test_independent_set_is_large_varied_and_shares_nothing_with_the_builtin_set
     assert len({p.prompt[:25].lower() for p in independent}) >= 0.95 * len(independent)
     lengths = sorted(len(p.prompt.split()) for p in independent)
     assert lengths[0] <= 8 and lengths[-1] >= 25  # short and long requests
+
+
+def test_batched_loop_equals_transformers_generate_with_rows_leaving_at_eos():
+    """Greedy rows of our batched loop (left padding, rows leaving the batch at EOS) are transformers'
+    `generate()` rows token for token, and the recorded top-k are its logits' log-softmax top-k."""
+    import torch
+
+    from conftest import make_model
+    from train.completions import Row, generate_batch
+
+    target = make_model(16, layers=2, hidden=32, seed=4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 16, (n,), generator=g).tolist() for n in (2, 5, 3, 8, 4, 6, 7, 2, 5, 3)]
+    rows = [Row(None, ids, 0.0, 0) for ids in prompts]
+    settings = SimpleNamespace(max_new_tokens=10, top_p=1.0, top_k=0, topk_logprobs=3)
+    ours = generate_batch(target, SimpleNamespace(pad_token_id=0, eos_token_id=2), rows, settings, seed=0)
+    assert 2 <= sum(finish == "eos" for _, finish, _ in ours) < len(rows), "some rows, not all, must stop early"
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=2,
+                              pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    for i, (completion, finish, (top_ids, top_values)) in enumerate(ours):
+        written = ref.sequences[i, width:].tolist()
+        if 2 in written:
+            written = written[: written.index(2) + 1]
+        assert completion == written and finish == ("eos" if written[-1] == 2 else "length")
+        values, indices = torch.stack([step[i] for step in ref.logits[: len(completion)]]).float().log_softmax(-1).topk(3)
+        assert top_ids == indices.tolist()
+        torch.testing.assert_close(torch.tensor(top_values), values, atol=2e-3, rtol=0)

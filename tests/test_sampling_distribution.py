@@ -137,3 +137,47 @@ def test_compiled_sampled_output_follows_target(pair):
     expected = exact_two_token_distribution(target, sampling).flatten() * N
     counts = sample_counts(*lms, sampling, k=2)
     assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def batched_pair_counts(target, sampling, seed=0):
+    """(first, second) token counts of N rows of PROMPT written in one `generate_batch` call (EOS is token 2:
+    a row that writes it first stops there and is counted at (2, 0))."""
+    from types import SimpleNamespace
+
+    from train.completions import Row, generate_batch
+
+    rows = [Row(None, PROMPT, sampling.temperature, s) for s in range(N)]
+    settings = SimpleNamespace(max_new_tokens=2, top_p=sampling.top_p, top_k=sampling.top_k, topk_logprobs=0)
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=2)
+    counts = torch.zeros(V * V, dtype=torch.float64)
+    for ids, finish, _ in generate_batch(target, tokenizer, rows, settings, seed=seed):
+        counts[ids[0] * V + (ids[1] if len(ids) > 1 else 0)] += 1
+    return counts
+
+
+def expected_with_eos_first(target, sampling):
+    pairs = exact_two_token_distribution(target, sampling)
+    eos_first = pairs[2].sum()  # the row ends at EOS: all its mass in one cell
+    pairs[2] = 0.0
+    pairs[2, 0] = eos_first
+    return pairs.flatten() * N
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.8, top_k=5, top_p=0.9)], ids=["T1", "T0.8-topk-topp"])
+def test_generate_stage_samples_follow_the_target(pair, sampling):
+    """The generate stage's own batched loop (train/completions.py) draws rows from the target's filtered
+    distribution; rows that wrote EOS leave the batch and the others go on."""
+    target, _ = pair
+    expected = expected_with_eos_first(target, sampling)
+    assert 0.05 * N < expected[2 * V] < 0.95 * N, "some rows must stop at EOS after one token for the test to mean it"
+    assert chi_square_pvalue(batched_pair_counts(target, sampling), expected) > 1e-3
+
+
+def test_generate_stage_sampler_that_ignores_the_filters_is_detected(pair, monkeypatch):
+    import train.completions as completions
+
+    target, _ = pair
+    sampling = Sampling(0.8, top_k=5, top_p=0.9)
+    monkeypatch.setattr(completions, "probs_from_logits", lambda logits, s: logits.float().softmax(-1))
+    expected = expected_with_eos_first(target, sampling)
+    assert chi_square_pvalue(batched_pair_counts(target, sampling), expected) < 1e-3

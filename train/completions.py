@@ -1,15 +1,16 @@
-"""The target writing completions: a row is (prompt, temperature, sample), and one batched `generate` call answers
+"""The target writing completions: a row is (prompt, temperature, sample), and one `generate_batch` call answers
 rows of one temperature with their top-k log-probs. The generate stage (train/generate.py) shards rows over
 processes and files; self-written prompts (train/self_written.py) use the same call to write requests."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 from eval.prompts import Prompt, encode_prompt
+from eval.speculative import Sampling, cache_kwarg, probs_from_logits, sample
 
 
 @dataclass
@@ -32,56 +33,59 @@ def build_rows(prompts: list[Prompt], tokenizer, generate, max_prompt_tokens: in
 
 @torch.no_grad()
 def generate_batch(target, tokenizer, rows: list[Row], generate, seed: int):
-    """Left-padded batched `generate` at one temperature; returns per row (completion ids, finish reason, top-k)."""
-    pad = tokenizer.pad_token_id
+    """Left-padded batched decoding at one temperature; returns per row (completion ids, finish reason, top-k).
+
+    Our own loop rather than transformers' `generate()`: one float32 log-softmax a step serves the stored
+    top-k log-probs (temperature 1, the full logits never kept), and a sampled token is drawn by inverting
+    the cumulative distribution (`eval.speculative.sample`), where `generate()`'s `torch.multinomial` draws
+    an exponential variate for every vocabulary entry of every row, most of a sampled step's time on a CPU.
+    Greedy rows are the argmax of the same logits, as `generate()` would pick them."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    device = next(target.parameters()).device
     width = max(len(r.prompt_ids) for r in rows)
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
         attention[i, width - len(r.prompt_ids):] = 1
-    device = next(target.parameters()).device
-    temperature = rows[0].temperature
-    eos = tokenizer.eos_token_id
-    kwargs = dict(do_sample=False) if temperature == 0 else dict(
-        do_sample=True, temperature=temperature, top_p=generate.top_p, top_k=generate.top_k or None)
-    torch.manual_seed(seed)
-    steps = []  # per generate step, the top-k log-probs of every row (the full logits are never kept)
-    with _topk_per_step(target, generate.topk_logprobs, steps):
-        out = target.generate(
-            input_ids=input_ids.to(device), attention_mask=attention.to(device), max_new_tokens=generate.max_new_tokens,
-            eos_token_id=eos, pad_token_id=pad, return_dict_in_generate=True, **kwargs,
-        )
-    completions = out.sequences[:, width:].tolist()
-    if steps:
-        values = torch.stack([v for v, _ in steps], dim=1).half().tolist()  # (rows, steps, k)
-        indices = torch.stack([i for _, i in steps], dim=1).tolist()
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    positions = (attention.cumsum(-1) - 1).clamp_min(0)  # left padding: each row counts from its first token
+    sampling = Sampling(rows[0].temperature, top_k=generate.top_k, top_p=generate.top_p)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    cache = DynamicCache(config=target.config)
+    cache_arg = cache_kwarg(target)
+    k = generate.topk_logprobs
+    tokens = torch.full((len(rows), generate.max_new_tokens), pad, dtype=torch.long, device=device)
+    top_values = torch.zeros((len(rows), generate.max_new_tokens, k), device=device)
+    top_indices = torch.zeros((len(rows), generate.max_new_tokens, k), dtype=torch.long, device=device)
+    alive = torch.arange(len(rows), device=device)  # the rows still writing, in batch order
+    for step in range(generate.max_new_tokens):
+        out = target(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                     logits_to_keep=1, **{cache_arg: cache})
+        logits = out.logits[:, -1].float()
+        if k > 0:
+            top_values[alive, step], top_indices[alive, step] = logits.log_softmax(-1).topk(k, dim=-1)
+        chosen = logits.argmax(-1) if sampling.greedy else sample(probs_from_logits(logits, sampling), generator)
+        tokens[alive, step] = chosen
+        writing = chosen != eos
+        if not bool(writing.all()):  # a row that wrote EOS leaves the batch: no more passes over it
+            if not bool(writing.any()):
+                break
+            alive, chosen, attention, positions = alive[writing], chosen[writing], attention[writing], positions[writing]
+            cache.batch_select_indices(writing.nonzero().squeeze(-1))
+        input_ids = chosen[:, None]
+        attention = torch.cat([attention, attention.new_ones((len(alive), 1))], dim=-1)
+        positions = positions[:, -1:] + 1
+    completions = tokens.tolist()
+    if k > 0:
+        values = top_values.half().tolist()  # (rows, steps, k)
+        indices = top_indices.tolist()
     results = []
     for i, ids in enumerate(completions):
         finish = "length"
         if eos in ids:
             ids = ids[: ids.index(eos) + 1]
             finish = "eos"
-        topk = (indices[i][: len(ids)], values[i][: len(ids)]) if steps else None
+        topk = (indices[i][: len(ids)], values[i][: len(ids)]) if k > 0 else None
         results.append((ids, finish, topk))
     return results
-
-
-@contextlib.contextmanager
-def _topk_per_step(target, k: int, steps: list):
-    """While `generate` runs, each pass's top-`k` log-probs of the raw logits (temperature 1, float32, the
-    last position of every row) go to `steps` as (values, indices): what `output_logits=True` would give
-    after a log-softmax and top-k, without holding every step's logits over the whole vocabulary."""
-    if k <= 0:
-        yield
-        return
-
-    def record(_module, _inputs, output):
-        values, indices = output.logits[:, -1].float().log_softmax(-1).topk(k, dim=-1)
-        steps.append((values, indices))
-
-    handle = target.register_forward_hook(record)
-    try:
-        yield
-    finally:
-        handle.remove()
