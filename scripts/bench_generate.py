@@ -1,17 +1,25 @@
 """Benchmark the generate stage: python scripts/bench_generate.py [--prompts 32] [--batched float32:16,bfloat16:64]
 
-Tokens/s of our batched generation (left padding, one `generate` call per batch, packed linear weights
-on a CPU: as the generate stage runs it) at each DTYPE:BATCH_SIZE of `--batched` (`generate.dtype`,
-`generate.batch_size`) against one-prompt-at-a-time float32 `generate()`, same target, prompts and
-settings (greedy), in one run; for a dtype other than the target's, also the share of its tokens the
-target as loaded picks greedily in the same context (`--plain-linears`: without the packing of eval/packed.py). Prints a table and writes JSON (default runs/bench/bench_generate.json). Goal (issue 4): >= 4x on
-a 2-core CPU with the default target.
+Tokens/s of our batched generation (left padding, one `train.completions.generate_batch` call per batch,
+packed linear weights on a CPU: as the generate stage runs it) at each DTYPE:BATCH_SIZE of `--batched`
+(`generate.dtype`, `generate.batch_size`) against one prompt at a time in the target's dtype, same target,
+prompts and settings, in one run; for a dtype other than the target's, also the share of its tokens the
+target as loaded picks greedily in the same context (`--plain-linears`: without the packing of
+eval/packed.py). `--temperature T` samples (seeded); `--workload write` times the self-written prompts'
+writing instead (`data.source: self`: rows start at the chat template's user turn, one domain hint each,
+T = 1 unless `--temperature` says otherwise). `--transformers` adds transformers' batched `generate()` on
+the same batches, in the first `--batched` setting, with the top-k log-probs taken by a forward hook
+(the stage before it had a loop of its own); `--repeats N` times the batched modes N times each, in
+turn, and reports each one's median; `--no-single` skips the one-at-a-time baseline. Prints a
+table and writes JSON (default runs/bench/bench_generate.json). Goal (issue 4): >= 4x on a 2-core CPU
+with the default target.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +35,8 @@ from train.completions import Row, generate_batch  # noqa: E402
 from eval.models import describe_processor, dtype_name, load_model, load_tokenizer, resolve_dtype  # noqa: E402
 from eval.prompts import builtin_prompts, encode_prompt, spread  # noqa: E402
 from train.models import cast_weights  # noqa: E402
-from train.recipe import DEFAULT_TARGET, GenerateSection  # noqa: E402
+from train.recipe import DEFAULT_SELF_HINTS, DEFAULT_TARGET, GenerateSection  # noqa: E402
+from train.self_written import request_prefix  # noqa: E402
 
 
 def main():
@@ -40,6 +49,15 @@ def main():
     parser.add_argument("--topk-logprobs", type=int, default=0,
                         help="top-k log-probs recorded per token, as the generate stage does (the default recipe: 20)")
     parser.add_argument("--plain-linears", action="store_true", help="PyTorch's own linear layers, unpacked")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="0 = greedy (the answer workload's default); > 0 samples (the write workload's default: 1)")
+    parser.add_argument("--workload", choices=["answer", "write"], default="answer",
+                        help="answer the built-in train prompts (default), or write self-written requests")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time the batched modes this many times each, in turn; report the median")
+    parser.add_argument("--no-single", action="store_true", help="skip the one-prompt-at-a-time baseline")
+    parser.add_argument("--transformers", action="store_true",
+                        help="also time transformers' batched generate() on the same batches (first --batched setting)")
     parser.add_argument("--out", default="runs/bench/bench_generate.json")
     args = parser.parse_args()
     try:
@@ -48,18 +66,24 @@ def main():
         sys.exit(f"--batched: expected DTYPE:BATCH_SIZE[,...], got '{args.batched}'")
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target)
-    prompts = spread(builtin_prompts("train"), args.prompts)
-    rows = [Row(p, encode_prompt(tokenizer, p), 0.0, 0) for p in prompts]
+    temperature = args.temperature if args.temperature is not None else (1.0 if args.workload == "write" else 0.0)
+    if args.workload == "write":
+        hints = list(DEFAULT_SELF_HINTS.values())
+        rows = [Row(None, request_prefix(tokenizer, hints[i % len(hints)]), temperature, i) for i in range(args.prompts)]
+        rows.sort(key=lambda r: len(r.prompt_ids))  # as the stage writes them: one domain's prefix a batch
+    else:
+        prompts = spread(builtin_prompts("train"), args.prompts)
+        rows = [Row(p, encode_prompt(tokenizer, p), temperature, 0) for p in prompts]
 
-    def timed(model, batch_size):
-        """Completions and seconds of greedy generation for every row, `batch_size` rows a `generate` call."""
-        settings = GenerateSection(temperatures=[0.0], max_new_tokens=args.max_new_tokens, batch_size=batch_size,
+    def timed(model, batch_size, write=generate_batch):
+        """Completions and seconds of generation for every row, `batch_size` rows a `write` call."""
+        settings = GenerateSection(temperatures=[temperature], max_new_tokens=args.max_new_tokens, batch_size=batch_size,
                                      topk_logprobs=args.topk_logprobs)
         with packed_linears(model, enabled=not args.plain_linears):
-            generate_batch(model, tokenizer, rows[:2], settings, seed=0)  # warm-up
+            write(model, tokenizer, rows[:2], settings, seed=0)  # warm-up
             start, completions = time.perf_counter(), []
             for i in range(0, len(rows), batch_size):
-                completions += [r[0] for r in generate_batch(model, tokenizer, rows[i:i + batch_size], settings, seed=0)]
+                completions += [r[0] for r in write(model, tokenizer, rows[i:i + batch_size], settings, seed=i)]
         return completions, time.perf_counter() - start
 
     @torch.no_grad()
@@ -72,37 +96,97 @@ def main():
             total += len(ids)
         return same / total
 
-    single, t_single = timed(target, 1)
-    single_tokens = sum(map(len, single))
-    table = [[f"one prompt at a time ({dtype_name(target.dtype)})", single_tokens, t_single, single_tokens / t_single, 1.0, "-"]]
-    settings = []
-    for setting, batch_size in batched:
+    table = []
+    if args.no_single:
+        single_rate = single_tokens = t_single = None
+    else:
+        single, t_single = timed(target, 1)
+        single_tokens = sum(map(len, single))
+        single_rate = single_tokens / t_single
+        table.append([f"one prompt at a time ({dtype_name(target.dtype)})", single_tokens, t_single, single_rate, 1.0, "-"])
+
+    def versus_single(rate):
+        return rate / single_rate if single_rate else None
+    models = {}
+    for setting, _ in batched:
         dtype = resolve_dtype(setting, target.device)
-        model = target if dtype == target.dtype else cast_weights(copy.deepcopy(target), dtype)
-        completions, seconds = timed(model, batch_size)
-        tokens = sum(map(len, completions))
-        rate = tokens / seconds
+        models[setting] = target if dtype == target.dtype else cast_weights(copy.deepcopy(target), dtype)
+    modes = [(f"batched ({size}, {setting})", setting, size, generate_batch) for setting, size in batched]
+    if args.transformers:
+        setting, size = batched[0]
+        modes.append((f"transformers generate() ({size}, {setting})", setting, size, transformers_generate))
+    # Each repeat times every mode once, in turn, so a drift of the processor's speed reaches them all alike;
+    # a mode's figure is its median time.
+    seconds, completions = {m[0]: [] for m in modes}, {}
+    for _ in range(args.repeats):
+        for label, setting, size, write in modes:
+            completions[label], taken = timed(models[setting], size, write)
+            seconds[label].append(taken)
+    settings = []
+    for label, setting, size, write in modes:
+        tokens = sum(map(len, completions[label]))
+        rate = tokens / statistics.median(seconds[label])
         # Another dtype writes slightly other text: how much of it is still the loaded target's own greedy choice.
-        agreement = target_agreement(completions) if dtype != target.dtype else None
-        settings.append({"dtype": setting, "batch_size": batch_size, "tokens": tokens, "seconds": seconds,
-                         "tokens_per_s": rate, "ratio": rate / (single_tokens / t_single),
-                         "target_agreement": agreement})
-        table.append([f"batched ({batch_size}, {setting})", tokens, seconds, rate, settings[-1]["ratio"],
+        agreement = (target_agreement(completions[label]) if write is generate_batch and models[setting] is not target
+                     and temperature == 0 else None)
+        settings.append({"dtype": setting, "batch_size": size, "tokens": tokens, "seconds": seconds[label],
+                         "tokens_per_s": rate, "ratio": versus_single(rate), "target_agreement": agreement,
+                         "transformers": write is transformers_generate})
+        table.append([label, tokens, statistics.median(seconds[label]), rate, settings[-1]["ratio"] or "-",
                       "-" if agreement is None else f"{agreement:.3f}"])
     result = {
-        "prompts": len(rows), "packed_linears": not args.plain_linears, "max_new_tokens": args.max_new_tokens,
+        "workload": args.workload, "temperature": temperature, "prompts": len(rows), "repeats": args.repeats,
+        "packed_linears": not args.plain_linears, "max_new_tokens": args.max_new_tokens,
         "topk_logprobs": args.topk_logprobs, "device": str(target.device), "processor": describe_processor(),
         "threads": torch.get_num_threads(),
-        "tokens_single": single_tokens, "seconds_single": t_single, "tokens_per_s_single": single_tokens / t_single,
+        "tokens_single": single_tokens, "seconds_single": t_single, "tokens_per_s_single": single_rate,
         "batched": settings,
     }
     result["ratio"] = settings[0]["ratio"]
-    result["goal_ratio_ge_4"] = result["ratio"] >= 4
-    print(f"{args.target}, greedy, {len(rows)} prompts, {args.max_new_tokens} new tokens, device {target.device}, "
+    result["ours_over_transformers"] = settings[0]["tokens_per_s"] / settings[-1]["tokens_per_s"] if args.transformers else None
+    result["goal_ratio_ge_4"] = None if result["ratio"] is None else result["ratio"] >= 4
+    print(f"{args.target}, {args.workload}, T = {temperature}, {len(rows)} rows, {args.max_new_tokens} new tokens, device {target.device}, "
           f"{result['processor']}, {'plain' if args.plain_linears else 'packed'} linears, top-{args.topk_logprobs} log-probs")
     print(format_table(["mode", "tokens", "seconds", "tokens/s", "x single", "target's greedy token"], table))
-    print(f"ratio batched ({batched[0][1]}, {batched[0][0]}) / single: {result['ratio']:.2f}x (goal >= 4x)")
+    if single_rate:
+        print(f"ratio batched ({batched[0][1]}, {batched[0][0]}) / single: {result['ratio']:.2f}x (goal >= 4x)")
+    if args.transformers:
+        print(f"ours / transformers generate(), batched ({batched[0][1]}, {batched[0][0]}): "
+              f"{result['ours_over_transformers']:.2f}x")
     print(f"wrote {atomic_write_json(args.out, result)}")
+
+
+@torch.no_grad()
+def transformers_generate(model, tokenizer, rows, settings, seed):
+    """The same left-padded batch through transformers' `generate()` (its sampler: `torch.multinomial`), the
+    top-k log-probs of each step taken by a forward hook: how the generate stage wrote its rows before
+    `train.completions.generate_batch` had a loop of its own."""
+    width = max(len(r.prompt_ids) for r in rows)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows])
+    mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows])
+    temperature = rows[0].temperature
+    sampling = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_p=None,
+                                                                   top_k=None)
+    steps = []
+
+    def record(_module, _inputs, output):
+        steps.append(output.logits[:, -1].float().log_softmax(-1).topk(settings.topk_logprobs, dim=-1))
+
+    handle = model.register_forward_hook(record) if settings.topk_logprobs > 0 else None
+    torch.manual_seed(seed)
+    try:
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), eos_token_id=eos,
+                             pad_token_id=pad, max_new_tokens=settings.max_new_tokens, **sampling)
+    finally:
+        if handle is not None:
+            handle.remove()
+    results = []
+    for completion in out[:, width:].tolist():
+        if eos in completion:
+            completion = completion[: completion.index(eos) + 1]
+        results.append((completion, None, None))
+    return results
 
 
 if __name__ == "__main__":
