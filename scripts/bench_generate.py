@@ -144,6 +144,10 @@ def main():
     }
     result["ratio"] = settings[0]["ratio"]
     result["ours_over_transformers"] = settings[0]["tokens_per_s"] / settings[-1]["tokens_per_s"] if args.transformers else None
+    # Greedy, the two loops should write the same rows: how many do, token for token.
+    result["rows_identical_to_transformers"] = (
+        sum(a == b for a, b in zip(completions[modes[0][0]], completions[modes[-1][0]]))
+        if args.transformers and temperature == 0 else None)
     result["goal_ratio_ge_4"] = None if result["ratio"] is None else result["ratio"] >= 4
     print(f"{args.target}, {args.workload}, T = {temperature}, {len(rows)} rows, {args.max_new_tokens} new tokens, device {target.device}, "
           f"{result['processor']}, {'plain' if args.plain_linears else 'packed'} linears, top-{args.topk_logprobs} log-probs")
@@ -153,6 +157,9 @@ def main():
     if args.transformers:
         print(f"ours / transformers generate(), batched ({batched[0][1]}, {batched[0][0]}): "
               f"{result['ours_over_transformers']:.2f}x")
+        if result["rows_identical_to_transformers"] is not None:
+            print(f"rows identical to transformers generate(), token for token: "
+                  f"{result['rows_identical_to_transformers']} of {len(rows)}")
     print(f"wrote {atomic_write_json(args.out, result)}")
 
 
