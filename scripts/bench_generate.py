@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eval.packed import packed_linears  # noqa: E402
 from eval.report import format_table  # noqa: E402
 from eval.fsutil import atomic_write_json  # noqa: E402
-from train.completions import Row, generate_batch  # noqa: E402
+from train.completions import Row, cut_at_eos, generate_batch, left_padded  # noqa: E402
 from eval.models import describe_processor, dtype_name, load_model, load_tokenizer, resolve_dtype  # noqa: E402
 from eval.prompts import builtin_prompts, encode_prompt, spread  # noqa: E402
 from train.models import cast_weights  # noqa: E402
@@ -168,10 +168,9 @@ def transformers_generate(model, tokenizer, rows, settings, seed):
     """The same left-padded batch through transformers' `generate()` (its sampler: `torch.multinomial`), the
     top-k log-probs of each step taken by a forward hook: how the generate stage wrote its rows before
     `train.completions.generate_batch` had a loop of its own."""
-    width = max(len(r.prompt_ids) for r in rows)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows])
-    mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows])
+    ids, mask = left_padded([r.prompt_ids for r in rows], pad)
+    width = ids.shape[1]
     temperature = rows[0].temperature
     sampling = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_p=None,
                                                                    top_k=None)
@@ -188,12 +187,7 @@ def transformers_generate(model, tokenizer, rows, settings, seed):
     finally:
         if handle is not None:
             handle.remove()
-    results = []
-    for completion in out[:, width:].tolist():
-        if eos in completion:
-            completion = completion[: completion.index(eos) + 1]
-        results.append((completion, None, None))
-    return results
+    return [(cut_at_eos(completion, eos), None, None) for completion in out[:, width:].tolist()]
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 
 from eval.errors import UserError
 from eval.models import log
+from train.completions import cut_at_eos, left_padded
 
 
 @dataclass
@@ -107,12 +108,8 @@ def on_policy_batch(draft, batch: Batch, tokenizer, max_new_tokens: int, tempera
     """The same prompts, completed by the current draft (sampled at the training temperature)."""
     pad = tokenizer.pad_token_id
     prompts = [e.ids[:e.start] for e in batch.examples]
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p):] = torch.tensor(p)
-        attention[i, width - len(p):] = 1
+    input_ids, attention = left_padded(prompts, pad)
+    width = input_ids.shape[1]
     device = next(draft.parameters()).device
     was_training = draft.training
     draft.eval()
@@ -123,9 +120,6 @@ def on_policy_batch(draft, batch: Batch, tokenizer, max_new_tokens: int, tempera
     draft.train(was_training)
     examples = []
     for i, e in enumerate(batch.examples):
-        completion = out[i, width:].tolist()
-        if tokenizer.eos_token_id in completion:
-            completion = completion[: completion.index(tokenizer.eos_token_id) + 1]
-        completion = completion or [tokenizer.eos_token_id]
+        completion = cut_at_eos(out[i, width:].tolist(), tokenizer.eos_token_id) or [tokenizer.eos_token_id]
         examples.append(Example(ids=prompts[i] + completion, start=e.start, row=e.row))
     return collate(examples, pad)

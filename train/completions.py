@@ -42,13 +42,7 @@ def generate_batch(target, tokenizer, rows: list[Row], generate, seed: int):
     Greedy rows are the argmax of the same logits, as `generate()` would pick them."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     device = next(target.parameters()).device
-    width = max(len(r.prompt_ids) for r in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-        attention[i, width - len(r.prompt_ids):] = 1
-    input_ids, attention = input_ids.to(device), attention.to(device)
+    input_ids, attention = (t.to(device) for t in left_padded([r.prompt_ids for r in rows], pad))
     positions = (attention.cumsum(-1) - 1).clamp_min(0)  # left padding: each row counts from its first token
     sampling = Sampling(rows[0].temperature, top_k=generate.top_k, top_p=generate.top_p)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -82,10 +76,24 @@ def generate_batch(target, tokenizer, rows: list[Row], generate, seed: int):
         indices = top_indices.tolist()
     results = []
     for i, ids in enumerate(completions):
-        finish = "length"
-        if eos in ids:
-            ids = ids[: ids.index(eos) + 1]
-            finish = "eos"
+        ids = cut_at_eos(ids, eos)
+        finish = "eos" if eos in ids else "length"
         topk = (indices[i][: len(ids)], values[i][: len(ids)]) if k > 0 else None
         results.append((ids, finish, topk))
     return results
+
+
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as one left-padded batch: (input_ids, attention_mask), both (rows, longest)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p):] = torch.tensor(p)
+        attention[i, width - len(p):] = 1
+    return input_ids, attention
+
+
+def cut_at_eos(ids: list[int], eos: int) -> list[int]:
+    """A completion up to and including its first EOS (all of it when it has none)."""
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
