@@ -15,8 +15,10 @@ bash scripts/setup.sh
 . .venv/bin/activate
 [ -n "${WANDB_API_KEY:-}" ] || export WANDB_MODE=offline
 # The default is sized for a 2-core CPU with AMX (or a GPU); say how to fit it elsewhere (README, headline).
-if [ "$recipe" = recipes/default.yaml ] && [ ${#args[@]} -eq 0 ] && [ -r /proc/cpuinfo ] \
-    && ! grep -qw amx_bf16 /proc/cpuinfo && ! python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+if [ "$recipe" = recipes/default.yaml ] && [ ${#args[@]} -eq 0 ] && python -c "import sys, torch
+from eval.models import cpu_flags
+flags = cpu_flags()  # empty where the CPU's flags cannot be read: no hint then
+sys.exit(torch.cuda.is_available() or not flags or 'amx_bf16' in flags)"; then
   echo "quickstart: no GPU and no AMX here: the default took 73 minutes on a 2-core CPU without AMX (an AMD EPYC Zen 4)." \
        "Fitted to about 40 there (alpha 0.04 lower): bash scripts/quickstart.sh data.self_written.num_prompts=1200" \
        "distill.max_steps=750 distill.checkpoint_every=750 generate.batch_size=128" >&2
