@@ -145,6 +145,10 @@ def test_dry_run_lists_variants_and_resolved_recipes(tmp_path, tiny_target_dir):
     assert [r["name"] for r in recipes] == ["s-fkl", "s-rkl", "s-longer_data"]
     assert recipes[0]["distill"]["losses"] == {"forward_kl": 1.0} and recipes[0]["distill"]["max_steps"] == 2
     assert recipes[2]["generate"]["max_new_tokens"] == 8
+    only = run_study(study, "--dry-run", "--variants", "rkl")
+    assert only.returncode == 0, only.stderr[-2000:]
+    assert [part.split(" ", 1)[0] for part in only.stdout.split("# variant ")[1:]] == ["rkl"]
+    assert "3 variants (1 selected by --variants)" in only.stderr
     assert not run_dir.exists()
 
 

@@ -187,9 +187,10 @@ def run_study(study: StudyFile, base: Path, run_dir: Path, dry_run: bool = False
                         f"(variants: {', '.join(study.variants)})")
     selected = [v for v in variants if only is None or v.name in only]
     keys = sorted({v.data_key for v in variants})
-    log(f"study '{study.name}': {len(variants)} variants, {len(keys)} generated data set(s), directory {run_dir}")
-    if dry_run:
-        for v in variants:
+    chosen = "" if only is None else f" ({len(selected)} selected by --variants)"
+    log(f"study '{study.name}': {len(variants)} variants{chosen}, {len(keys)} generated data set(s), directory {run_dir}")
+    if dry_run:  # every variant was resolved (so checked) above; the selected ones are listed
+        for v in selected:
             print(f"# variant {v.name} (data {v.data_key}): {' '.join(v.overrides[:-2]) or '(base recipe)'}")
             print(dump_recipe(v.recipe))
         log("dry run: every variant is valid; nothing was run")
