@@ -5,6 +5,9 @@ their `requests.jsonl`. Requests are matched by prompt id and temperature; per t
 each side's mean per-request α and observed speedup and the mean of B − A over the matched requests, ± its
 standard error. Two drafts measured on the same prompts differ less than their separate standard errors
 suggest (a hard prompt is hard for both), so the paired error is the one that says whether B beat A.
+`--by-position` adds α by position in the generated sequence (the report's buckets: 0-9, 10-49, ...), paired
+over the requests that drafted a token in that bucket on both sides: where a draft trained on shorter answers
+than the eval writes loses α, this shows it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from eval.errors import UserError, cli_main
 from eval.fsutil import atomic_write_json
 from eval.report import format_table
+from eval.speculative import BUCKET_NAMES
 
 METRICS = ("alpha", "speedup_observed")
 
@@ -46,8 +50,24 @@ def mean_and_se(values: list[float]) -> tuple[float | None, float | None]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
 
 
+def paired(pairs: list[tuple[float, float]]) -> dict:
+    """A's mean, B's mean, and the mean paired difference B − A with its standard error."""
+    diff, diff_se = mean_and_se([y - x for x, y in pairs])
+    return {"a": mean_and_se([x for x, _ in pairs])[0], "b": mean_and_se([y for _, y in pairs])[0],
+            "b_minus_a": diff, "b_minus_a_se": diff_se}
+
+
+def bucket_alpha(request: dict, bucket: int) -> float | None:
+    """One request's α over the drafted positions that fell in a position bucket; None where it drafted none."""
+    counts = request.get("bucket_count") or []
+    if bucket >= len(counts) or not counts[bucket]:
+        return None
+    return request["bucket_beta_sum"][bucket] / counts[bucket]
+
+
 def compare(a: dict, b: dict) -> dict:
-    """Per temperature and metric: A's mean, B's mean, and the mean paired difference B − A with its standard error."""
+    """Per temperature and metric (and per position bucket for α): A's mean, B's mean, and the mean paired
+    difference B − A with its standard error."""
     shared = sorted(set(a) & set(b))
     if not shared:
         raise UserError("the two measurements share no request (prompt id and temperature): nothing to pair")
@@ -57,18 +77,23 @@ def compare(a: dict, b: dict) -> dict:
         keys = [key for key in shared if key[1] == temperature]
         row = {"requests": len(keys)}
         for metric in METRICS:
-            pairs = [(a[k][metric], b[k][metric]) for k in keys if a[k].get(metric) is not None and b[k].get(metric) is not None]
-            diff, diff_se = mean_and_se([y - x for x, y in pairs])
-            row[metric] = {"a": mean_and_se([x for x, _ in pairs])[0], "b": mean_and_se([y for _, y in pairs])[0],
-                           "b_minus_a": diff, "b_minus_a_se": diff_se}
+            row[metric] = paired([(a[k][metric], b[k][metric]) for k in keys
+                                  if a[k].get(metric) is not None and b[k].get(metric) is not None])
+        row["alpha_by_position"] = {}
+        for bucket, name in enumerate(BUCKET_NAMES):
+            pairs = [(bucket_alpha(a[k], bucket), bucket_alpha(b[k], bucket)) for k in keys]
+            pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+            if pairs:
+                row["alpha_by_position"][name] = {"requests": len(pairs)} | paired(pairs)
         result["by_temperature"][str(temperature)] = row
     return result
 
 
-def table(result: dict) -> str:
-    def pm(value, se):
-        return "-" if value is None else f"{value:+.3f}" + ("" if se is None else f" ± {se:.3f}")
+def pm(value, se) -> str:
+    return "-" if value is None else f"{value:+.3f}" + ("" if se is None else f" ± {se:.3f}")
 
+
+def table(result: dict) -> str:
     rows = []
     for temperature, row in result["by_temperature"].items():
         alpha, speedup = row["alpha"], row["speedup_observed"]
@@ -78,18 +103,30 @@ def table(result: dict) -> str:
                          "B - A (paired)"], rows)
 
 
+def position_table(result: dict) -> str:
+    rows = [[temperature, name, cell["requests"], cell["a"], cell["b"], pm(cell["b_minus_a"], cell["b_minus_a_se"])]
+            for temperature, row in result["by_temperature"].items()
+            for name, cell in row["alpha_by_position"].items()]
+    return format_table(["T", "positions", "requests", "alpha A", "alpha B", "B - A (paired)"], rows)
+
+
 @cli_main
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eval.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("a", help="the first measurement: an eval directory or its requests.jsonl")
     parser.add_argument("b", help="the second, on the same prompts")
+    parser.add_argument("--by-position", action="store_true",
+                        help="also print α by position in the generated sequence, paired per bucket")
     parser.add_argument("--out", default=None, help="also write the comparison as JSON here")
     args = parser.parse_args(argv)
     result = {"a": str(args.a), "b": str(args.b)} | compare(read_requests(args.a), read_requests(args.b))
     print(f"A: {args.a}\nB: {args.b}\n{result['requests_paired']} requests paired"
           + (f" ({result['only_a']} only in A, {result['only_b']} only in B)" if result["only_a"] or result["only_b"] else ""))
     print(table(result))
+    if args.by_position:
+        print("alpha by position in the generated sequence (requests that drafted there on both sides):")
+        print(position_table(result))
     if args.out:
         print(f"wrote {atomic_write_json(args.out, result)}")
 

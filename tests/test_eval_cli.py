@@ -229,3 +229,35 @@ def test_compare_pairs_requests_by_prompt_and_temperature(tmp_path, capsys):
             compare_main(bad)
         assert exit_.value.code == 2
     assert "share no request" in capsys.readouterr().err
+
+
+def test_compare_pairs_alpha_by_position_where_both_drafted(tmp_path, capsys):
+    from eval.compare import main as compare_main
+    from eval.speculative import BUCKET_NAMES
+
+    def write(name, buckets):
+        rows = []
+        for i, (beta, count) in enumerate(buckets):
+            pad = [0.0] * (len(BUCKET_NAMES) - len(beta))
+            rows.append({"request_id": f"p{i}", "temperature": 0.0, "alpha": 0.5, "speedup_observed": 1.0,
+                         "bucket_beta_sum": beta + pad, "bucket_count": count + [0] * len(pad)})
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+
+    # Request p1 drafted nothing past position 99 in A (a fallback): the 100-199 bucket pairs p0 and p2 only.
+    a = write("a", [([2.0, 4.0, 5.0, 1.0], [4, 10, 10, 4]), ([1.0, 5.0, 5.0, 0.0], [4, 10, 10, 0]),
+                    ([2.0, 4.0, 4.0, 2.0], [4, 10, 10, 4])])
+    b = write("b", [([2.0, 5.0, 5.0, 3.0], [4, 10, 10, 4]), ([2.0, 5.0, 6.0, 2.0], [4, 10, 10, 4]),
+                    ([2.0, 4.0, 6.0, 3.0], [4, 10, 10, 4])])
+    compare_main([a, b, "--by-position", "--out", str(tmp_path / "cmp.json")])
+    by_position = json.loads((tmp_path / "cmp.json").read_text())["by_temperature"]["0.0"]["alpha_by_position"]
+    assert list(by_position) == list(BUCKET_NAMES[:4])  # buckets no request reached are left out
+    late = by_position[BUCKET_NAMES[3]]
+    # p0: 0.25 -> 0.75, p2: 0.5 -> 0.75: differences 0.5 and 0.25.
+    assert late["requests"] == 2 and late["a"] == pytest.approx(0.375) and late["b"] == pytest.approx(0.75)
+    assert late["b_minus_a"] == pytest.approx(0.375) and late["b_minus_a_se"] == pytest.approx(0.125)
+    assert by_position[BUCKET_NAMES[2]]["requests"] == 3
+    assert by_position[BUCKET_NAMES[2]]["b_minus_a"] == pytest.approx((0.0 + 0.1 + 0.2) / 3)
+    out = capsys.readouterr().out
+    assert "alpha by position" in out and "+0.375 ± 0.125" in out
