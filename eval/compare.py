@@ -20,7 +20,7 @@ from pathlib import Path
 from eval.errors import UserError, cli_main
 from eval.fsutil import atomic_write_json
 from eval.report import format_table
-from eval.speculative import BUCKET_NAMES
+from eval.speculative import BUCKET_NAMES, ratio
 
 METRICS = ("alpha", "speedup_observed")
 
@@ -59,10 +59,8 @@ def paired(pairs: list[tuple[float, float]]) -> dict:
 
 def bucket_alpha(request: dict, bucket: int) -> float | None:
     """One request's α over the drafted positions that fell in a position bucket; None where it drafted none."""
-    counts = request.get("bucket_count") or []
-    if bucket >= len(counts) or not counts[bucket]:
-        return None
-    return request["bucket_beta_sum"][bucket] / counts[bucket]
+    counts = request.get("bucket_count") or []  # absent in records written before the buckets were
+    return ratio(request["bucket_beta_sum"][bucket], counts[bucket]) if bucket < len(counts) else None
 
 
 def compare(a: dict, b: dict) -> dict:
