@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,6 +113,34 @@ def test_study_shares_data_writes_one_row_per_variant_and_resumes_only_unfinishe
     assert rows_again.returncode == 0, rows_again.stderr[-2000:]
     assert json.loads((run_dir / "study.json").read_text())["variants"] == result["variants"]
     assert (run_dir / "fkl" / "export" / "model.safetensors").stat().st_mtime_ns == export_at
+
+    # The same tables over finished run directories, without the study file: the same rows, named by directory.
+    collected = tmp_path / "collected"
+    proc = collect(run_dir / "fkl", run_dir / "longer_data", "--out", collected)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads((collected / "study.json").read_text())
+    assert got["collected"] and [r["variant"] for r in got["variants"]] == ["fkl", "longer_data"]
+    for row, want in zip(got["variants"], (result["variants"][0], result["variants"][2])):
+        assert {k: v for k, v in row.items() if k != "overrides"} == {k: v for k, v in want.items() if k != "overrides"}
+    assert f"- `fkl`: `{run_dir / 'fkl'}/recipe.yaml`" in (collected / "study.md").read_text()
+    assert (collected / "study.png").stat().st_size > 0
+    # A run measured with other eval settings is refused, naming the setting: its figures would not compare.
+    other = tmp_path / "other"
+    shutil.copytree(run_dir / "rkl", other)  # the data copied, not linked: the link is relative
+    report_path = other / "eval" / "checkpoint-2" / "report.json"
+    report = json.loads(report_path.read_text())
+    report["settings"]["max_new_tokens"] = 12
+    report_path.write_text(json.dumps(report))
+    refused = collect(run_dir / "fkl", other, "--out", tmp_path / "refused")
+    assert refused.returncode == 2 and not (tmp_path / "refused").exists()
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"specdistill: error: --runs: '{other}' was measured with max_new_tokens 12, '{run_dir / 'fkl'}' with 6: "
+        "their figures do not compare")
+
+
+def collect(*args):
+    return subprocess.run([sys.executable, "-m", "train.study", "--runs", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
 
 
 def test_distill_progress_averages_the_ends_and_takes_the_median_after_the_first_quarter():

@@ -1,6 +1,6 @@
 """Studies: a base recipe plus named variants, each measured the same way. Run:
 `python -m train.study STUDY.yaml [--dry-run] [--report] [--variants A,B]` (or under `accelerate launch`, as
-`python -m train`).
+`python -m train`), or, over runs that already finished: `python -m train.study --runs RUN_DIR... --out DIR`.
 
 A study file names a base recipe, overrides applied to every variant, and the variants, each a list
 of dotted overrides exactly as on the `python -m train` command line:
@@ -21,6 +21,10 @@ child, which inherits an `accelerate launch` environment. A finished variant lea
 RUN/<variant>/study_row.json; a rerun after a kill skips those and resumes the others where their
 stages stopped. RUN/study.json, study.md and study.png compare the variants; the winner is the
 variant with the highest mean observed speedup over the eval temperatures (ties: mean alpha).
+
+`--runs` writes the same tables and plot for finished `python -m train` run directories (or a study's
+variant directories) made apart from any study file, one row per directory, named by it; they must have
+been measured with the same target and eval settings, or their figures would not compare.
 """
 
 from __future__ import annotations
@@ -263,7 +267,8 @@ def variant_row(variant: Variant, variant_dir: Path) -> dict:
         # Step time only (the logged tokens/s of each step); checkpoint writing and measuring excluded.
         "distill_seconds": sum(s["train/tokens"] / s["train/tokens_per_s"] for s in steps if s["train/tokens_per_s"]),
         **distill_progress(steps),
-        "wall_seconds": wall_seconds(variant_dir, data_dir_of(variant_dir.parent, variant)),
+        "wall_seconds": wall_seconds(variant_dir, (variant_dir / "generate").resolve().parent),
+        "run_dir": str(variant_dir),
     }
 
 
@@ -329,10 +334,16 @@ def write_study(study: StudyFile, variants: list[Variant], run_dir: Path, final:
     """study.json, study.md and study.png over the finished variants (`pending` names the others)."""
     read = {v.name: _read_row(run_dir / v.name) for v in variants}
     rows = [row for row in read.values() if row is not None]
+    return write_result(study.name, rows, [name for name, row in read.items() if row is None], run_dir, final)
+
+
+def write_result(name: str, rows: list[dict], pending: list[str], run_dir: Path, final: bool = True,
+                 collected: bool = False) -> dict:
     winner = max(rows, key=score)["variant"]
-    result = {"study": study.name, "winner": winner,
+    result = {"study": name, "winner": winner,
               "rule": "max mean observed speedup over the eval temperatures; ties by mean alpha", "variants": rows,
-              "pending": [name for name, row in read.items() if row is None]}
+              "pending": pending, "collected": collected}
+    run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run_dir / "study.json", result)
     atomic_write_text(run_dir / "study.md", study_markdown(result))
     plot_study(result, run_dir / "study.png")
@@ -340,8 +351,43 @@ def write_study(study: StudyFile, variants: list[Variant], run_dir: Path, final:
         print(study_markdown(result))
         log(f"study: winner '{winner}' (by mean observed speedup); {run_dir / 'study.md'}, study.json, study.png")
     else:
-        log(f"study: {len(rows)} of {len(variants)} variants finished; best so far '{winner}'; {run_dir / 'study.md'}")
+        log(f"study: {len(rows)} of {len(rows) + len(pending)} variants finished; best so far '{winner}'; "
+            f"{run_dir / 'study.md'}")
     return result
+
+
+# Eval settings that change what alpha and the speedup measure; `compile` and `reuse_vanilla` change neither.
+COMPARED_SETTINGS = ("prompts", "num_prompts", "max_new_tokens", "temperatures", "k", "draft_confidence", "top_p",
+                     "top_k", "seed", "max_prompt_tokens", "fallback_window", "fallback_threshold")
+
+
+def collect_runs(paths: list[str], out: Path) -> dict:
+    """A study's tables and plot over finished run directories: one row per directory, by its best checkpoint."""
+    dirs = [Path(p) for p in paths]
+    names = [d.name for d in dirs]
+    if len(set(names)) < len(names):  # runs/a/x and runs/b/x: name each by its whole path instead
+        names = [str(d) for d in dirs]
+    measured = {}
+    rows = []
+    for name, run in zip(names, dirs):
+        if not (run / "recipe.yaml").is_file() or not (run / "eval" / "summary.json").is_file():
+            raise UserError(f"--runs: '{run}' is not a finished run directory (no recipe.yaml or eval/summary.json)")
+        summary = json.loads((run / "eval" / "summary.json").read_text())
+        report = json.loads((run / "eval" / summary["best"] / "report.json").read_text())
+        settings = {"target": report["pair"]["target"], **{k: report["settings"].get(k) for k in COMPARED_SETTINGS}}
+        if measured:
+            first, first_settings = next(iter(measured.items()))
+            for key, value in settings.items():
+                if value != first_settings[key]:
+                    raise UserError(f"--runs: '{run}' was measured with {key} {value!r}, '{first}' with "
+                                    f"{first_settings[key]!r}: their figures do not compare")
+        measured[str(run)] = settings
+        recipe = load_recipe(run / "recipe.yaml", [])
+        variant = Variant(name, [f"name={recipe.name}", f"output_dir={run}"], recipe, data_key(recipe))
+        rows.append(variant_row(variant, run))
+    log(f"study: {len(rows)} finished runs, measured alike ({measured[str(dirs[0])]['prompts']} prompts, "
+        f"{measured[str(dirs[0])]['max_new_tokens']} new tokens)")
+    return write_result(out.name, rows, [], out, collected=True)
 
 
 def _pm(value, se) -> str:
@@ -386,30 +432,62 @@ def study_markdown(result: dict) -> str:
         table.append(cells)
     domains = sorted({d for r in rows for t in temps for d in r["alpha_by_domain"].get(t, {})})
     domain_table = [[r["variant"]] + [r["alpha_by_domain"].get(t, {}).get(d) for t in temps for d in domains] for r in rows]
-    overrides = "\n".join(f"- `{r['variant']}`: {' '.join(f'`{o}`' for o in r['overrides']) or '(base recipe)'}" for r in rows)
+    if result.get("collected"):  # finished runs, each with its own recipe: where each one lives
+        overrides = "\n".join(f"- `{r['variant']}`: `{r['run_dir']}/recipe.yaml`" for r in rows)
+    else:
+        overrides = "\n".join(f"- `{r['variant']}`: {' '.join(f'`{o}`' for o in r['overrides']) or '(base recipe)'}"
+                               for r in rows)
     pending = (f" Not finished yet: {', '.join(result['pending'])}." if result.get("pending") else "")
     spread = ("± is the standard error of the per-prompt values over the evaluation prompts (every variant is "
               "measured on the same prompts, so differences between variants are steadier than that).")
+    if result.get("collected"):
+        spread += (" These runs were collected after they finished: their α compares wherever they ran, their "
+                   "observed speedups only between runs measured in one session on one machine.")
     return (f"# Study `{result['study']}`\n\nWinner: **{result['winner']}** ({result['rule']}).{pending} {spread}\n\n"
             f"{markdown_table(headers, table)}\n\n### α by domain\n\n"
             f"{markdown_table(['variant'] + [f'{d} T={t}' for t in temps for d in domains], domain_table)}\n\n"
-            f"### Overrides\n\n{overrides}\n")
+            f"### {'Recipes' if result.get('collected') else 'Overrides'}\n\n{overrides}\n")
+
+
+def _alpha_against(ax, rows: list[dict], temps: list[str], sizes: list[int], xlabel: str, title: str) -> None:
+    """Alpha per temperature against a token count, on a log axis (sizes grow by factors: 60k, 220k, 660k)."""
+    import matplotlib.ticker
+
+    for t in temps:
+        ys = [r["by_temperature"][t]["alpha"] or 0.0 for r in rows]
+        ax.scatter(sizes, ys, label=f"T={t}")
+        for x, y, r in zip(sizes, ys, rows):
+            ax.annotate(r["variant"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set(xlabel=xlabel, ylabel="alpha", title=title)
+    ax.set_xscale("log")
+    # ticks at the variants' own sizes (a range inside one decade would otherwise show no label at all), one
+    # for sizes within 5% of each other, whose labels would overlap
+    ticks = []
+    for size in sorted(set(sizes)):
+        if not ticks or size > ticks[-1] * 1.05:
+            ticks.append(size)
+    ax.set_xticks(ticks)
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1000:,.0f}k")
+    ax.tick_params(axis="x", labelsize=7, labelrotation=30)
+    ax.margins(x=0.15)
 
 
 def plot_study(result: dict, path: Path) -> None:
     """Observed speedup and alpha per variant and temperature (bars with their standard errors); alpha against
-    generated training tokens when the variants' data differ in size, else alpha by domain at the first temperature."""
+    generated training tokens when the variants' data differ in size, else alpha by domain at the first
+    temperature; and alpha against the tokens distilled when the variants' steps or data differ."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     rows = result["variants"]
     temps = list(rows[0]["by_temperature"])
     names = [r["variant"] for r in rows]
     width = 0.8 / len(temps)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    distilled = [r["distill_tokens"] for r in rows]
+    fig, axes = plt.subplots(1, 4 if len(set(distilled)) > 1 else 3, figsize=(20 if len(set(distilled)) > 1 else 15, 4.5))
     for ax, key, label in ((axes[0], "speedup_observed", "observed speedup"), (axes[1], "alpha", "alpha")):
         for i, t in enumerate(temps):
             values = [r["by_temperature"][t][key] or 0.0 for r in rows]
@@ -422,18 +500,7 @@ def plot_study(result: dict, path: Path) -> None:
     axes[0].axhline(1.0, color="grey", lw=0.8, ls="--")
     sizes = [r["data"]["completion_tokens"] for r in rows]
     if len(set(sizes)) > 1:
-        for t in temps:
-            ys = [r["by_temperature"][t]["alpha"] or 0.0 for r in rows]
-            axes[2].scatter(sizes, ys, label=f"T={t}")
-            for x, y, name in zip(sizes, ys, names):
-                axes[2].annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        axes[2].set(xlabel="generated training tokens", ylabel="alpha", title="alpha against training data")
-        axes[2].set_xscale("log")  # data sizes grow by factors: 60k, 220k, 660k tokens
-        # ticks at the variants' own sizes: a range inside one decade would otherwise show no label at all
-        axes[2].set_xticks(sorted(set(sizes)))
-        axes[2].xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        axes[2].xaxis.set_major_formatter(lambda x, _: f"{x / 1000:,.0f}k")
-        axes[2].margins(x=0.15)
+        _alpha_against(axes[2], rows, temps, sizes, "generated training tokens", "alpha against training data")
     else:  # one data set for all: where each variant's alpha comes from instead
         t = temps[0]
         domains = sorted({d for r in rows for d in r["alpha_by_domain"].get(t, {})})
@@ -444,6 +511,9 @@ def plot_study(result: dict, path: Path) -> None:
         axes[2].set_xticks([x + dw * (len(rows) - 1) / 2 for x in range(len(domains))], domains)
         axes[2].set(ylabel="alpha", title=f"alpha by domain, T={t}")
     axes[2].legend(fontsize=7)
+    if len(axes) == 4:  # steps times tokens a step: what the draft was trained on, passes over the data included
+        _alpha_against(axes[3], rows, temps, distilled, "tokens distilled", "alpha against tokens distilled")
+        axes[3].legend(fontsize=7)
     fig.suptitle(f"study {result['study']}: winner {result['winner']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -452,18 +522,28 @@ def plot_study(result: dict, path: Path) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m train.study", description=__doc__.split("\n\n")[0])
-    parser.add_argument("study", help="study YAML file")
+    parser.add_argument("study", nargs="?", help="study YAML file")
     parser.add_argument("--dry-run", action="store_true", help="list the variants and their resolved recipes; run nothing")
     parser.add_argument("--report", action="store_true",
                         help="write study.json/md/png from the variants finished so far; run nothing")
     parser.add_argument("--variants", type=lambda text: [name for name in text.split(",") if name], default=None,
                         help="comma-separated: run only these variants (the tables list the others as pending)")
+    parser.add_argument("--runs", nargs="+", metavar="RUN_DIR",
+                        help="instead of a study file: finished run directories, measured alike, one row each")
+    parser.add_argument("--out", type=Path, help="with --runs: the directory for study.json/md/png")
     return parser.parse_args(argv)
 
 
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
+    if args.runs:
+        if args.study or not args.out:
+            raise UserError("--runs: give the run directories and --out DIR, and no study file")
+        collect_runs(args.runs, args.out)
+        return
+    if not args.study:
+        raise UserError("give a study file (STUDY.yaml), or --runs RUN_DIR... --out DIR")
     study, base, run_dir = load_study(args.study)
     run_study(study, base, run_dir, dry_run=args.dry_run, report=args.report, only=args.variants)
 
