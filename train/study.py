@@ -487,7 +487,8 @@ def plot_study(result: dict, path: Path) -> None:
     names = [r["variant"] for r in rows]
     width = 0.8 / len(temps)
     distilled = [r["distill_tokens"] for r in rows]
-    fig, axes = plt.subplots(1, 4 if len(set(distilled)) > 1 else 3, figsize=(20 if len(set(distilled)) > 1 else 15, 4.5))
+    panels = 4 if len(set(distilled)) > 1 else 3
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.5))
     for ax, key, label in ((axes[0], "speedup_observed", "observed speedup"), (axes[1], "alpha", "alpha")):
         for i, t in enumerate(temps):
             values = [r["by_temperature"][t][key] or 0.0 for r in rows]
