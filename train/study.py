@@ -367,7 +367,7 @@ def collect_runs(paths: list[str], out: Path) -> dict:
     names = [d.name for d in dirs]
     if len(set(names)) < len(names):  # runs/a/x and runs/b/x: name each by its whole path instead
         names = [str(d) for d in dirs]
-    measured = {}
+    reference = None  # the first run and its settings: every other run must match them
     rows = []
     for name, run in zip(names, dirs):
         if not (run / "recipe.yaml").is_file() or not (run / "eval" / "summary.json").is_file():
@@ -375,18 +375,18 @@ def collect_runs(paths: list[str], out: Path) -> dict:
         summary = json.loads((run / "eval" / "summary.json").read_text())
         report = json.loads((run / "eval" / summary["best"] / "report.json").read_text())
         settings = {"target": report["pair"]["target"], **{k: report["settings"].get(k) for k in COMPARED_SETTINGS}}
-        if measured:
-            first, first_settings = next(iter(measured.items()))
-            for key, value in settings.items():
-                if value != first_settings[key]:
-                    raise UserError(f"--runs: '{run}' was measured with {key} {value!r}, '{first}' with "
-                                    f"{first_settings[key]!r}: their figures do not compare")
-        measured[str(run)] = settings
+        if reference is None:
+            reference = (run, settings)
+        for key, value in settings.items():
+            if value != reference[1][key]:
+                raise UserError(f"--runs: '{run}' was measured with {key} {value!r}, '{reference[0]}' with "
+                                f"{reference[1][key]!r}: their figures do not compare")
         recipe = load_recipe(run / "recipe.yaml", [])
+        # The two overrides a study appends to every variant's (and `variant_row` leaves out): the run has no others.
         variant = Variant(name, [f"name={recipe.name}", f"output_dir={run}"], recipe, data_key(recipe))
         rows.append(variant_row(variant, run))
-    log(f"study: {len(rows)} finished runs, measured alike ({measured[str(dirs[0])]['prompts']} prompts, "
-        f"{measured[str(dirs[0])]['max_new_tokens']} new tokens)")
+    log(f"study: {len(rows)} finished runs, measured alike ({reference[1]['prompts']} prompts, "
+        f"{reference[1]['max_new_tokens']} new tokens)")
     return write_result(out.name, rows, [], out, collected=True)
 
 
@@ -539,8 +539,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.runs:
-        if args.study or not args.out:
-            raise UserError("--runs: give the run directories and --out DIR, and no study file")
+        if args.study or not args.out or args.dry_run or args.report or args.variants:
+            raise UserError("--runs: give the run directories and --out DIR, without a study file or its options")
         collect_runs(args.runs, args.out)
         return
     if not args.study:
