@@ -339,6 +339,7 @@ def write_study(study: StudyFile, variants: list[Variant], run_dir: Path, final:
 
 def write_result(name: str, rows: list[dict], pending: list[str], run_dir: Path, final: bool = True,
                  collected: bool = False) -> dict:
+    """study.json, study.md and study.png over these rows; `collected`: rows of finished runs, not of a study file."""
     winner = max(rows, key=score)["variant"]
     result = {"study": name, "winner": winner,
               "rule": "max mean observed speedup over the eval temperatures; ties by mean alpha", "variants": rows,
@@ -367,27 +368,32 @@ def collect_runs(paths: list[str], out: Path) -> dict:
     names = [d.name for d in dirs]
     if len(set(names)) < len(names):  # runs/a/x and runs/b/x: name each by its whole path instead
         names = [str(d) for d in dirs]
-    reference = None  # the first run and its settings: every other run must match them
+    # Every run checked before any row is built (a row reads the run's whole generated data).
+    measured = [(run, eval_settings(run)) for run in dirs]
+    reference, settings = measured[0]
+    for run, own in measured[1:]:
+        for key, value in own.items():
+            if value != settings[key]:
+                raise UserError(f"--runs: '{run}' was measured with {key} {value!r}, '{reference}' with "
+                                f"{settings[key]!r}: their figures do not compare")
     rows = []
     for name, run in zip(names, dirs):
-        if not (run / "recipe.yaml").is_file() or not (run / "eval" / "summary.json").is_file():
-            raise UserError(f"--runs: '{run}' is not a finished run directory (no recipe.yaml or eval/summary.json)")
-        summary = json.loads((run / "eval" / "summary.json").read_text())
-        report = json.loads((run / "eval" / summary["best"] / "report.json").read_text())
-        settings = {"target": report["pair"]["target"], **{k: report["settings"].get(k) for k in COMPARED_SETTINGS}}
-        if reference is None:
-            reference = (run, settings)
-        for key, value in settings.items():
-            if value != reference[1][key]:
-                raise UserError(f"--runs: '{run}' was measured with {key} {value!r}, '{reference[0]}' with "
-                                f"{reference[1][key]!r}: their figures do not compare")
         recipe = load_recipe(run / "recipe.yaml", [])
         # The two overrides a study appends to every variant's (and `variant_row` leaves out): the run has no others.
         variant = Variant(name, [f"name={recipe.name}", f"output_dir={run}"], recipe, data_key(recipe))
         rows.append(variant_row(variant, run))
-    log(f"study: {len(rows)} finished runs, measured alike ({reference[1]['prompts']} prompts, "
-        f"{reference[1]['max_new_tokens']} new tokens)")
+    log(f"study: {len(rows)} finished runs, measured alike ({settings['prompts']} prompts, "
+        f"{settings['max_new_tokens']} new tokens)")
     return write_result(out.name, rows, [], out, collected=True)
+
+
+def eval_settings(run: Path) -> dict:
+    """The target and the eval settings a finished run's best checkpoint was measured with."""
+    if not (run / "recipe.yaml").is_file() or not (run / "eval" / "summary.json").is_file():
+        raise UserError(f"--runs: '{run}' is not a finished run directory (no recipe.yaml or eval/summary.json)")
+    summary = json.loads((run / "eval" / "summary.json").read_text())
+    report = json.loads((run / "eval" / summary["best"] / "report.json").read_text())
+    return {"target": report["pair"]["target"], **{k: report["settings"].get(k) for k in COMPARED_SETTINGS}}
 
 
 def _pm(value, se) -> str:
