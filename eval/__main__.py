@@ -9,7 +9,7 @@ import torch
 
 from eval.draft_vocab import FILENAME, load_draft_vocab
 from eval.report import evaluate_pair, summary_text
-from eval.settings import COMPILE_MODES, EvalSettings, FieldError
+from eval.settings import COMPILE_MODES, EAGER_STEPS, EvalSettings, FieldError
 from eval.errors import UserError, cli_main
 from eval.models import check_model_vocab, check_same_tokenizer, load_model, load_tokenizer, pick_device
 from eval.prompts import eval_prompt_set, spread
@@ -25,7 +25,7 @@ def _temperatures(text: str) -> list[float]:
 
 DEFAULTS = EvalSettings()
 SETTING_OPTIONS = ("k", "draft_confidence", "temperatures", "max_new_tokens", "num_prompts", "prompts", "top_k", "top_p",
-                   "fallback_window", "fallback_threshold", "compile")
+                   "fallback_window", "fallback_threshold", "compile", "eager_steps")
 """Options that are `EvalSettings` fields: their defaults and their checks are the recipe's `eval:` section's."""
 
 
@@ -51,6 +51,9 @@ def parse_args(argv=None):
     parser.add_argument("--compile", default=DEFAULTS.compile, choices=COMPILE_MODES,
                         help="decode with a static KV cache and compiled steps (on), eagerly (off), with the draft "
                              "alone compiled (draft), or each model as it measured faster on this device (auto, default)")
+    parser.add_argument("--eager-steps", default=DEFAULTS.eager_steps, choices=EAGER_STEPS,
+                        help="how a model decoded eagerly runs its steps: written out over plain tensors where it is a "
+                             "Llama-family model on a CPU (lean, default: eval/lean.py), or transformers' own forward")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                         help="the draft's dtype when it differs from the target's (default: --dtype)")

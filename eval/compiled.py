@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from eval.lean import LeanLM, eager_lm
+from eval.packed import weights_version
 from eval.settings import COMPILE_MODES
 from eval.speculative import CachedLM
 
@@ -59,11 +61,6 @@ FREEZE_ON_CPU = False
 """Compile CPU steps with inductor's `freezing` by default. Off: on the development CPU the frozen verify pass
 was cheaper but whole requests were slower (`scripts/bench_decoder.py --modes compiled,compiled-frozen`;
 docs/eval.md)."""
-
-
-def weights_version(model) -> int:
-    """Changes whenever a parameter or buffer of `model` is modified in place (its tensors' version counters)."""
-    return sum(t._version for t in (*model.parameters(), *model.buffers()))
 
 
 class StaticLM(CachedLM):
@@ -198,10 +195,16 @@ def no_recompiles(compiled: bool):
     return torch.compiler.set_stance("fail_on_recompile") if compiled else contextlib.nullcontext()
 
 
+def steps_of(lm) -> str:
+    """How a decoder runs its steps: `compiled` (a `StaticLM`), `lean` (eval/lean.py) or `transformers` (the model's
+    own forward)."""
+    return "compiled" if isinstance(lm, StaticLM) else "lean" if isinstance(lm, LeanLM) else "transformers"
+
+
 @dataclass
 class Decoders:
-    """What the eval decodes with: each model itself (eager, a fresh DynamicCache per request) or its compiled
-    `StaticLM`, and how that was decided."""
+    """What the eval decodes with: each model's eager decoder (its lean steps, or the model itself with a fresh
+    DynamicCache per request: `eval.lean.eager_lm`) or its compiled `StaticLM`, and how that was decided."""
 
     target: object
     draft: object
@@ -225,16 +228,26 @@ class Decoders:
 
     @contextlib.contextmanager
     def running(self, target, draft, packed: bool = True):
-        """While decoding with these decoders: an eager model reads packed linear weights (`packed`,
-        eval/packed.py), and a recompilation is an error rather than seconds hidden in a request's wall time."""
+        """While decoding with these decoders: a model run by transformers' eager forward reads packed linear
+        weights (`packed`, eval/packed.py; lean steps pack their own), and a recompilation is an error rather than
+        seconds hidden in a request's wall time."""
         from eval.packed import packed_linears
 
-        with (packed_linears(target, enabled=packed and not self.target_compiled),
-              packed_linears(draft, enabled=packed and not self.draft_compiled), no_recompiles(self.compiled)):
+        with (packed_linears(target, enabled=packed and self.target_steps == "transformers"),
+              packed_linears(draft, enabled=packed and self.draft_steps == "transformers"), no_recompiles(self.compiled)):
             yield
+
+    @property
+    def target_steps(self) -> str:
+        return steps_of(self.target)
+
+    @property
+    def draft_steps(self) -> str:
+        return steps_of(self.draft)
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "target_compiled": self.target_compiled, "draft_compiled": self.draft_compiled,
+                "target_steps": self.target_steps, "draft_steps": self.draft_steps,
                 "requested": self.requested, "compile_seconds": self.compile_seconds, "note": self.note,
                 "costs": self.costs}
 
@@ -256,9 +269,9 @@ def decisions_path():
     return cache_dir() / "compile_auto.json"
 
 
-def decision_key(target, draft, draft_vocab: torch.Tensor | None, k_max: int) -> str:
+def decision_key(target, draft, draft_vocab: torch.Tensor | None, k_max: int, eager_steps: str = "lean") -> str:
     """What auto's measurement depends on: the processor, the torch version, both models' sizes and dtypes, the
-    draft's head and the longest verify pass."""
+    draft's head, the longest verify pass and how eager steps run (what compiled steps are measured against)."""
     from eval.models import describe_processor, dtype_name
 
     def shape(model) -> str:
@@ -268,7 +281,7 @@ def decision_key(target, draft, draft_vocab: torch.Tensor | None, k_max: int) ->
     device = next(target.parameters()).device
     head = "full head" if draft_vocab is None else f"head of {len(draft_vocab)}"
     return (f"{describe_processor(device)} | torch {torch.__version__} | target {shape(target)} | "
-            f"draft {shape(draft)}, {head} | k<={k_max}")
+            f"draft {shape(draft)}, {head} | k<={k_max} | eager steps {eager_steps}")
 
 
 def remembered(key: str) -> dict | None:
@@ -308,7 +321,8 @@ def mean_target_pass(costs) -> float:
 
 
 def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: torch.Tensor | None,
-                     probe_ids: list[int], max_length: int, k: int, freeze: bool | None = None) -> Decoders:
+                     probe_ids: list[int], max_length: int, k: int, freeze: bool | None = None,
+                     eager_steps: str = "lean") -> Decoders:
     """Pick eager or compiled decoding of each model for `mode` (`eval.compile`), compiling (outside any timing)
     what is needed.
 
@@ -321,23 +335,31 @@ def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: 
     by `decision_key`) for later processes with the same processor, torch and model shapes, which then
     compile only what was kept: a study's variants, a rerun. Where compiling cannot run (`compile_supported`)
     it decodes eagerly and says why. `max_length`: the longest request (prompt + new tokens); `k`: the most
-    draft tokens a round; `freeze`: `StaticLM`'s."""
+    draft tokens a round; `freeze`: `StaticLM`'s; `eager_steps`: how a model that is not compiled runs
+    (`eval.eager_steps`, `eval.lean.eager_lm`), in the decoding and in auto's measurement alike."""
     from eval.metrics import measure_costs
     from eval.packed import packed_linears
 
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+
+    def eager_target():
+        return eager_lm(target, vocab_size, None, eager_steps)
+
+    def eager_draft():
+        return eager_lm(draft, vocab_size, draft_vocab, eager_steps)
+
     if mode == "off":
-        return Decoders(target, draft, False, False, requested=mode)
+        return Decoders(eager_target(), eager_draft(), False, False, requested=mode)
     device = next(target.parameters()).device
     reason = compile_supported(device)
     if reason is not None:
         if mode != "auto":
             raise RuntimeError(f"compiled decoding cannot run on {device}: {reason}")
-        return Decoders(target, draft, False, False, requested=mode, note=f"eager: {reason}")
+        return Decoders(eager_target(), eager_draft(), False, False, requested=mode, note=f"eager: {reason}")
     k_max = max(8, k)
     decided = _AUTO.get(target) if mode == "auto" else None
-    key = decision_key(target, draft, draft_vocab, k_max) if mode == "auto" else None
+    key = decision_key(target, draft, draft_vocab, k_max, eager_steps) if mode == "auto" else None
     if mode == "auto" and decided is None and (earlier := remembered(key)) is not None:
         decided = (earlier["target"], earlier["draft"],
                    f"{earlier['note']} (measured {earlier['decided']} by an earlier process on this machine and "
@@ -345,21 +367,23 @@ def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: 
         _AUTO[target] = decided
     wanted = {"on": (True, True), "draft": (False, True)}.get(mode) or (decided[:2] if decided else (True, True))
     sizes = dict(max_length=max_length + k_max + 2, max_verify=k_max + 1, freeze=freeze)
-    target_lm = static_lm(target, vocab_size, None, **sizes) if wanted[0] else target
-    draft_lm = static_lm(draft, vocab_size, draft_vocab, **sizes) if wanted[1] else draft
+    target_lm = static_lm(target, vocab_size, None, **sizes) if wanted[0] else eager_target()
+    draft_lm = static_lm(draft, vocab_size, draft_vocab, **sizes) if wanted[1] else eager_draft()
     seconds = sum(lm.warm_up(probe_ids) for lm in (target_lm, draft_lm) if isinstance(lm, StaticLM))
     decoders = Decoders(target_lm, draft_lm, *wanted, requested=mode, compile_seconds=seconds)
     if decided is not None:
         decoders.note = decided[2]
     elif mode == "auto":
         compiled = measure_costs(target_lm, draft_lm, probe_ids, k_max=k_max)
-        with packed_linears(target), packed_linears(draft):
-            eager = measure_costs(target, draft, probe_ids, k_max=k_max, draft_vocab=draft_vocab)
+        eager_target_lm, eager_draft_lm = eager_target(), eager_draft()
+        with (packed_linears(target, enabled=steps_of(eager_target_lm) == "transformers"),
+              packed_linears(draft, enabled=steps_of(eager_draft_lm) == "transformers")):
+            eager = measure_costs(eager_target_lm, eager_draft_lm, probe_ids, k_max=k_max, draft_vocab=draft_vocab)
         decoders.costs = {"eager": eager.to_dict(), "compiled": compiled.to_dict()}
         if mean_target_pass(eager) <= mean_target_pass(compiled):
-            decoders.target, decoders.target_compiled = target, False
+            decoders.target, decoders.target_compiled = eager_target_lm, False
         if eager.t_draft <= compiled.t_draft:
-            decoders.draft, decoders.draft_compiled = draft, False
+            decoders.draft, decoders.draft_compiled = eager_draft_lm, False
         decoders.note = (f"auto: a draft token took {1e3 * compiled.t_draft:.1f} ms compiled, {1e3 * eager.t_draft:.1f} ms "
                          f"eager; a target pass over 1..{k_max + 1} tokens (mean) {1e3 * mean_target_pass(compiled):.1f} "
                          f"ms compiled, {1e3 * mean_target_pass(eager):.1f} ms eager; {decoders.mode} for this target "

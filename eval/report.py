@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from eval.compiled import prepare_decoders, weights_version
+from eval.compiled import prepare_decoders
+from eval.packed import weights_version
 from eval.draft_vocab import restricted_head
 from eval.metrics import (CONVENTIONS, aggregate, max_profitable_temperature, measure_costs, per_token_speedup, predicted_speedup,
                           theory_k)
@@ -78,8 +79,8 @@ def _request_record(prompt: Prompt, temperature: float, settings: EvalSettings, 
 class VanillaCache:
     """The vanilla decodes of one target, kept for the rest of the process.
 
-    A request's key is everything its vanilla decode depends on: the decoder mode (compiled kernels have their
-    own numerics), the target's weights (their version counters: a target changed in place is decoded
+    A request's key is everything its vanilla decode depends on: the target's steps (compiled kernels have their
+    own numerics, lean steps their own timing), the target's weights (their version counters: a target changed in place is decoded
     afresh), the prompt, the sampling settings, the token budget, the stop tokens and the seed."""
 
     _per_target: "weakref.WeakKeyDictionary[object, VanillaCache]" = weakref.WeakKeyDictionary()
@@ -91,9 +92,10 @@ class VanillaCache:
     def of(cls, target) -> "VanillaCache":
         return cls._per_target.setdefault(target, cls())
 
-    def decode(self, target, lm, ids: list[int], *, compiled: bool, seed: int, device, **common):
-        """(vanilla result, whether it was reused) for one request; `lm`: what decodes (the target or its StaticLM)."""
-        key = (compiled, weights_version(target), tuple(ids), seed, common["sampling"], common["max_new_tokens"],
+    def decode(self, target, lm, ids: list[int], *, steps: str, seed: int, device, **common):
+        """(vanilla result, whether it was reused) for one request; `lm`: what decodes (the target, its `LeanLM` or its
+        `StaticLM`), whose steps are `steps` (`eval.compiled.steps_of`)."""
+        key = (steps, weights_version(target), tuple(ids), seed, common["sampling"], common["max_new_tokens"],
                tuple(common["eos_token_ids"]), common["vocab_size"])
         if key in self.results:
             return self.results[key], True
@@ -137,7 +139,8 @@ def evaluate_pair(
     sub_ids = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long, device=device)
     with restricted_head(draft, draft_vocab):
         decoders = prepare_decoders(target, draft, settings.compile, vocab_size=vocab, draft_vocab=sub_ids, probe_ids=encoded[0],
-                                    max_length=max(map(len, encoded)) + settings.max_new_tokens, k=settings.k)
+                                    max_length=max(map(len, encoded)) + settings.max_new_tokens, k=settings.k,
+                                    eager_steps=settings.eager_steps)
         with decoders.running(target, draft):
             cache = VanillaCache.of(target) if settings.reuse_vanilla else VanillaCache()
             records, costs = _decode_all(decoders, cache, target, prompts, encoded, settings, pair, eos, vocab, sub_ids,
@@ -182,7 +185,7 @@ def _decode_all(decoders, vanilla_cache: VanillaCache, model, prompts, encoded, 
         for p_index, (prompt, ids) in enumerate(zip(prompts, encoded)):
             request_seed = seed * 1_000_003 + t_index * 10_007 + p_index
             common = dict(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=eos, vocab_size=vocab)
-            vanilla, reused = vanilla_cache.decode(model, target, ids, compiled=decoders.target_compiled, seed=request_seed,
+            vanilla, reused = vanilla_cache.decode(model, target, ids, steps=decoders.target_steps, seed=request_seed,
                                                    device=device, **common)
             spec = speculative_decode(
                 target, draft, ids, k=settings.k, generator=torch.Generator(device).manual_seed(request_seed),
@@ -287,7 +290,8 @@ def summary_text(report: dict) -> str:
     )
     decoder = report.get("decoder")
     if decoder:
-        head += f"decoder: {decoder['mode']} (eval.compile={decoder['requested']}"
+        steps = {decoder[f"{m}_steps"] for m in ("target", "draft")} - {"compiled"} if "target_steps" in decoder else set()
+        head += f"decoder: {decoder['mode']}" + "".join(f", {s} steps" for s in sorted(steps)) + f" (eval.compile={decoder['requested']}"
         head += f", compiling took {decoder['compile_seconds']:.0f} s" if decoder["compile_seconds"] else ""
         head += f"; {decoder['note']})\n" if decoder["note"] else ")\n"
     headers, rows = temperature_rows(report)

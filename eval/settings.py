@@ -13,6 +13,9 @@ from typing import Literal, Union
 COMPILE_MODES = ("auto", "on", "off", "draft")
 """`eval.compile`: per model whichever measured faster here; both compiled; both eager; the draft compiled."""
 
+EAGER_STEPS = ("lean", "transformers")
+"""`eval.eager_steps`: how a model that is not compiled runs its steps (eval/lean.py, or the model's own forward)."""
+
 
 class FieldError(ValueError):
     """Raised inside a settings dataclass; the caller says where the key came from."""
@@ -62,6 +65,11 @@ class EvalSettings:
     `draft`: the draft's steps compiled, the target eager; `auto`: compile, time a draft token and the target's
     passes both ways, and keep for each model the faster (eager where compiling cannot run).
     YAML reads a bare on/off as true/false: both spellings mean the same."""
+    eager_steps: Literal["lean", "transformers"] = "lean"
+    """How a model decoded eagerly runs its steps. `lean`: a Llama-family model (Llama, Qwen2) on a CPU runs its
+    forward pass written out over a KV cache of plain tensors (eval/lean.py: the same maths in fewer calls, both
+    models' tokens cheaper; docs/eval.md measures them); any other model, or one on a GPU, runs transformers'
+    forward. `transformers`: every model runs its own forward with a `DynamicCache`."""
     reuse_vanilla: bool = False
     """A run measuring several checkpoints against one target: decode each request vanilla once and give later
     checkpoints its tokens and wall time (eval/report.py, `VanillaCache`), which halves a later checkpoint's
@@ -73,6 +81,7 @@ class EvalSettings:
         if isinstance(self.compile, bool):
             self.compile = "on" if self.compile else "off"
         check(self.compile in COMPILE_MODES, "compile", f"must be auto, on, off or draft, got {self.compile!r}")
+        check(self.eager_steps in EAGER_STEPS, "eager_steps", f"must be lean or transformers, got {self.eager_steps!r}")
         check(self.k >= 1, "k", f"must be >= 1, got {self.k}")
         check_temperatures(self.temperatures, "temperatures")
         for key in ("max_new_tokens", "num_prompts", "fallback_window"):

@@ -12,6 +12,7 @@ import torch
 
 from conftest import StubDraft, make_model, trained_draft
 from eval.compiled import StaticLM, compile_supported, forget_compiled, prepare_decoders, static_lm
+from eval.lean import LeanLM
 from eval.speculative import CachedLM, Sampling, speculative_decode, vanilla_decode
 
 V = 64
@@ -122,13 +123,17 @@ def test_prepare_decoders_modes(models):
     target, drafts = models
     kwargs = dict(vocab_size=V, draft_vocab=None, probe_ids=PROMPTS[1], max_length=40, k=3)
     off = prepare_decoders(target, drafts["random"], "off", **kwargs)
-    assert not off.compiled and off.target is target and off.mode == "eager"
+    assert not off.compiled and off.mode == "eager" and (off.target_steps, off.draft_steps) == ("lean", "lean")
+    assert isinstance(off.target, LeanLM) and off.target.model is target and off.to_dict()["draft_steps"] == "lean"
+    own = prepare_decoders(target, drafts["random"], "off", eager_steps="transformers", **kwargs)
+    assert own.target is target and own.draft is drafts["random"] and own.target_steps == "transformers"
     on = prepare_decoders(target, drafts["random"], "on", **kwargs)
     assert on.compiled and isinstance(on.target, StaticLM) and on.compile_seconds > 0 and on.mode == "compiled"
     again = prepare_decoders(target, drafts["random"], "on", **kwargs)
     assert again.target is on.target  # compiled once per process
     draft_only = prepare_decoders(target, drafts["trained"], "draft", **kwargs)
-    assert draft_only.target is target and isinstance(draft_only.draft, StaticLM) and draft_only.mode == "compiled draft"
+    assert isinstance(draft_only.target, LeanLM) and isinstance(draft_only.draft, StaticLM) and draft_only.mode == "compiled draft"
+    assert (draft_only.target_steps, draft_only.draft_steps) == ("lean", "compiled")
     assert not draft_only.target_compiled and draft_only.draft_compiled and draft_only.compile_seconds > 0
     auto = prepare_decoders(target, drafts["random"], "auto", **kwargs)
     assert set(auto.costs) == {"eager", "compiled"} and "auto:" in auto.note
@@ -202,12 +207,13 @@ def test_autos_decision_is_remembered_for_later_processes(models, monkeypatch):
     compiled.decisions_path().write_text(json.dumps(saved))
     compiled._AUTO.clear()
     mixed = prepare_decoders(target, drafts["trained"], "auto", **kwargs)
-    assert mixed.target is target and isinstance(mixed.draft, StaticLM) and mixed.costs == {}
+    assert isinstance(mixed.target, LeanLM) and isinstance(mixed.draft, StaticLM) and mixed.costs == {}
     saved[key] |= {"target": False, "draft": False}
     compiled.decisions_path().write_text(json.dumps(saved))
     compiled._AUTO.clear()
     eager = prepare_decoders(target, drafts["trained"], "auto", **kwargs)
-    assert not eager.compiled and eager.target is target and eager.draft is drafts["trained"] and eager.compile_seconds == 0
+    assert not eager.compiled and eager.compile_seconds == 0
+    assert (eager.target.model, eager.draft.model) == (target, drafts["trained"]) and eager.draft_steps == "lean"
     # One decision for both models, as auto took before it decided per model: measured again.
     saved[key] = {"compiled": False, "note": "eager", "decided": "earlier"}
     compiled.decisions_path().write_text(json.dumps(saved))

@@ -24,8 +24,10 @@ def test_eval_command_writes_report_requests_and_plots(tmp_path, tiny_target_dir
                "--k", "3", "--temperatures", "0,1", "--max-new-tokens", "12", "--out", str(out), "--quiet",
                "--compile", "off"])
     printed = capsys.readouterr().out
-    assert "alpha" in printed and "speedup_obs" in printed
+    assert "alpha" in printed and "speedup_obs" in printed and "decoder: eager, lean steps (eval.compile=off)" in printed
     report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["eager_steps"] == "lean"
+    assert (report["decoder"]["target_steps"], report["decoder"]["draft_steps"]) == ("lean", "lean")
     assert set(report["by_temperature"]) == {"0.0", "1.0"}
     assert set(report["by_domain"]["0.0"]) == {"code", "chat"}
     assert report["greedy_identical_to_vanilla"] == 1.0
@@ -85,9 +87,11 @@ def test_eval_with_a_dynamic_draft_length(tmp_path, tiny_target_dir, tiny_draft_
     out = tmp_path / "out"
     eval_main(["--target", str(tiny_target_dir), "--draft", str(tiny_target_dir), "--k", "6", "--draft-confidence", "0.9",
                "--temperatures", "0,1", "--max-new-tokens", "24", "--num-prompts", "3", "--out", str(out), "--quiet",
-               "--no-plots", "--compile", "off"])
-    assert "k<=6, a round stops after a draft token of q < 0.9" in capsys.readouterr().out
+               "--no-plots", "--compile", "off", "--eager-steps", "transformers"])
+    printed = capsys.readouterr().out
+    assert "k<=6, a round stops after a draft token of q < 0.9" in printed and "eager, transformers steps" in printed
     report = json.loads((out / "report.json").read_text())
+    assert report["decoder"]["draft_steps"] == "transformers"
     assert report["settings"]["draft_confidence"] == 0.9 and report["greedy_identical_to_vanilla"] == 1.0
     costs = Costs.from_dict(report["costs"])
     for agg in report["by_temperature"].values():

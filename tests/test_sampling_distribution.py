@@ -139,6 +139,17 @@ def test_compiled_sampled_output_follows_target(pair):
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 
+def test_lean_sampled_output_follows_target(pair):
+    """The same test through lean steps (eval/lean.py: plain-tensor caches, rolled back by length)."""
+    from eval.lean import LeanLM
+
+    target, draft = pair
+    sampling = Sampling(1.0)
+    expected = exact_two_token_distribution(target, sampling).flatten() * N
+    counts = sample_counts(LeanLM(target, V), LeanLM(draft, V), sampling, k=2)
+    assert chi_square_pvalue(counts, expected) > 1e-3
+
+
 def batched_pair_counts(target, sampling, seed=0):
     """(first, second) token counts of N rows of PROMPT written in one `generate_batch` call (EOS is token 2:
     a row that writes it first stops there and is counted at (2, 0))."""
