@@ -5,7 +5,7 @@ once with vanilla decoding and once per config, back to back in one run. A confi
 draft tokens a round, a round stopping after a draft token of probability below `confidence` (0: always k;
 `speculative_decode`'s `confidence`, the recipe's `eval.draft_confidence`). The draft's `draft_vocab.json` is
 used as in `python -m eval`, and the decoder runs as the eval stage runs it (`--compile auto|on|off`, as
-`eval.compile`: eager with packed linear weights on a CPU, or a static KV cache and compiled steps; `--device`
+`eval.compile`: eager on a CPU with lean steps, eval/lean.py, or a static KV cache and compiled steps; `--device`
 picks a GPU when there is one). Prints a table (α, drafted tokens
 and τ per round, ms per round, observed speedup per generated token) and writes JSON (default
 runs/bench/bench_draft_length.json). Greedy output must equal vanilla output in every config.
