@@ -93,13 +93,11 @@ class LeanLM(CachedLM):
     changed builds them again."""
 
     def __init__(self, model, vocab_size: int, token_ids: torch.Tensor | None = None, capacity: int = 256):
-        self.capacity = 0
-        self.first_capacity = capacity
-        super().__init__(model, vocab_size, token_ids)
         config, attention = model.config, model.model.layers[0].self_attn
         self.head_dim, self.scaling = attention.head_dim, attention.scaling
         self.split = [config.num_attention_heads * self.head_dim] + [config.num_key_value_heads * self.head_dim] * 2
-        self.built_for = None
+        self.capacity, self.first_capacity = 0, capacity
+        super().__init__(model, vocab_size, token_ids)  # allocates the cache (`new_cache`)
         self._build()
 
     def _state(self):
@@ -134,8 +132,7 @@ class LeanLM(CachedLM):
         """Room for `needed` positions: the cache doubles (its filled part copied over) and the rotary table follows."""
         capacity = max(needed, 2 * self.capacity)
         config, weight = self.model.config, self.model.model.embed_tokens.weight
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (1, config.num_key_value_heads, capacity, head_dim)
+        shape = (1, config.num_key_value_heads, capacity, self.head_dim)
         for store in (self.keys, self.values):
             for i in range(config.num_hidden_layers):
                 new = weight.new_zeros(shape)
