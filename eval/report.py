@@ -274,6 +274,12 @@ def domain_rows(report: dict) -> tuple[list[str], list[list]]:
     return headers, rows
 
 
+def describe_decoder(decoder: dict) -> str:
+    """A report's `decoder` in words: its mode and how the eager models ran ("eager, lean steps")."""
+    steps = {decoder[f"{m}_steps"] for m in ("target", "draft")} - {"compiled"} if "target_steps" in decoder else set()
+    return decoder["mode"] + "".join(f", {s} steps" for s in sorted(steps))
+
+
 def summary_text(report: dict) -> str:
     costs = report["costs"]
     settings = EvalSettings.of_report(report)
@@ -290,8 +296,7 @@ def summary_text(report: dict) -> str:
     )
     decoder = report.get("decoder")
     if decoder:
-        steps = {decoder[f"{m}_steps"] for m in ("target", "draft")} - {"compiled"} if "target_steps" in decoder else set()
-        head += f"decoder: {decoder['mode']}" + "".join(f", {s} steps" for s in sorted(steps)) + f" (eval.compile={decoder['requested']}"
+        head += f"decoder: {describe_decoder(decoder)} (eval.compile={decoder['requested']}"
         head += f", compiling took {decoder['compile_seconds']:.0f} s" if decoder["compile_seconds"] else ""
         head += f"; {decoder['note']})\n" if decoder["note"] else ")\n"
     headers, rows = temperature_rows(report)

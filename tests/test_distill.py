@@ -114,6 +114,7 @@ def test_export_is_a_plain_transformers_draft_that_assists_generate(full_run, ti
     assert generation["assistant_confidence_threshold"] == 0.0  # measured with a fixed k: transformers' 0.4 is off
     card = (export / "README.md").read_text()
     assert summary["best"] in card and "| T | alpha |" in card and "| T | domain |" in card and "```yaml" in card
+    assert f", decoded {report['decoder']['mode']}" in card  # how it was decoded: compiled, or eager (lean steps here)
     assert (export / "plots" / "acceptance_by_draft_position.png").is_file() and "plots/acceptance_by_draft_position.png" in card
     assert not list(run_dir.glob(".export*"))
     assert (export / "draft_vocab.json").read_text() == (run_dir / summary["best"] / "draft_vocab.json").read_text()

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from eval.draft_vocab import FILENAME as DRAFT_VOCAB_FILE
-from eval.report import domain_rows, markdown_table, temperature_rows
+from eval.report import describe_decoder, domain_rows, markdown_table, temperature_rows
 from eval.settings import EvalSettings
 from train.evaluate import summary_table
 from eval.errors import UserError
@@ -64,6 +64,7 @@ def model_card(recipe, tag: str, report: dict, summary: dict, plots: list[str]) 
         f"a dynamic draft length (at most {k} tokens a round, a round's drafting stops after a token the draft gives "
         f"a probability below {confidence:g})")
     costs = report["costs"]
+    decoded = f", decoded {describe_decoder(report['decoder'])}" if report.get("decoder") else ""
     t_headers, t_rows = temperature_rows(report)
     d_headers, d_rows = domain_rows(report)
     requests = next(iter(report["by_temperature"].values()))["requests"]
@@ -103,7 +104,7 @@ vLLM (a fixed k: the optimal k for the measured alpha and costs): `vllm serve {t
 
 ## Measurements
 
-Measured by specdistill's own speculative decoder on {requests} evaluation prompts, device `{report['device']}` ({report['dtype']}), {measured_with}, against vanilla decoding
+Measured by specdistill's own speculative decoder on {requests} evaluation prompts, device `{report['device']}` ({report['dtype']}), {measured_with}{decoded}, against vanilla decoding
 of the same target in the same run. Costs: draft {costs['t_draft_ms']:.1f} ms/token, target
 {costs['t_target_ms']['1']:.1f} ms/token, c = {costs['c']:.3f}. Optimal fixed k from the measured alpha and costs: {fixed_k}.{vocab_note}
 
