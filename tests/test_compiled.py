@@ -13,7 +13,7 @@ import torch
 from conftest import StubDraft, make_model, trained_draft
 from eval.compiled import StaticLM, compile_supported, forget_compiled, prepare_decoders, static_lm
 from eval.lean import LeanLM
-from eval.speculative import CachedLM, Sampling, speculative_decode, vanilla_decode
+from eval.speculative import Sampling, speculative_decode, vanilla_decode
 
 V = 64
 PROMPTS = [[5, 9, 17, 3], [40, 41, 12, 7, 7, 30, 22], [11]]
@@ -150,7 +150,7 @@ def test_prepare_decoders_modes(models):
     later = prepare_decoders(target, drafts["trained"], "auto", **kwargs)
     assert (later.target_compiled, later.draft_compiled) == (auto.target_compiled, auto.draft_compiled)
     assert later.costs == {} and later.note == auto.note
-    assert isinstance(later.draft, CachedLM) == auto.draft_compiled
+    assert isinstance(later.draft, StaticLM) == auto.draft_compiled and later.draft_steps == ("compiled" if auto.draft_compiled else "lean")
     with pytest.raises(ValueError, match="compile must be one of"):
         prepare_decoders(target, drafts["random"], "yes", **kwargs)
 
