@@ -338,7 +338,6 @@ def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: 
     draft tokens a round; `freeze`: `StaticLM`'s; `eager_steps`: how a model that is not compiled runs
     (`eval.eager_steps`, `eval.lean.eager_lm`), in the decoding and in auto's measurement alike."""
     from eval.metrics import measure_costs
-    from eval.packed import packed_linears
 
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
@@ -376,8 +375,7 @@ def prepare_decoders(target, draft, mode: str, *, vocab_size: int, draft_vocab: 
     elif mode == "auto":
         compiled = measure_costs(target_lm, draft_lm, probe_ids, k_max=k_max)
         eager_target_lm, eager_draft_lm = eager_target(), eager_draft()
-        with (packed_linears(target, enabled=steps_of(eager_target_lm) == "transformers"),
-              packed_linears(draft, enabled=steps_of(eager_draft_lm) == "transformers")):
+        with Decoders(eager_target_lm, eager_draft_lm, False, False, requested=mode).running(target, draft):  # as eager decoding runs
             eager = measure_costs(eager_target_lm, eager_draft_lm, probe_ids, k_max=k_max, draft_vocab=draft_vocab)
         decoders.costs = {"eager": eager.to_dict(), "compiled": compiled.to_dict()}
         if mean_target_pass(eager) <= mean_target_pass(compiled):

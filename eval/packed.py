@@ -72,10 +72,11 @@ def packed_linears(model: torch.nn.Module, enabled: bool = True):
     packed = []
     if enabled:
         for module in model.modules():
-            weight = getattr(module, "weight", None)
-            if (isinstance(module, torch.nn.Linear) and weight.device.type == "cpu"
-                    and packing_supported(weight.dtype) and not hasattr(module, "_packed_weight")):  # not packed by an outer block
-                module._packed_weight = pack(weight)
+            if not isinstance(module, torch.nn.Linear) or hasattr(module, "_packed_weight"):  # not packed by an outer block
+                continue
+            weight = pack(module.weight)
+            if weight is not None:  # on the CPU, in a dtype oneDNN packs
+                module._packed_weight = weight
                 module.forward = types.MethodType(_packed_forward, module)
                 packed.append(module)
     try:
