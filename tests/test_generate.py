@@ -46,6 +46,7 @@ def test_generated_dataset_columns_and_counts(reference, tiny_target_dir):
     manifest = json.loads((run_dir / "generate" / "manifest.json").read_text())
     # 10 prompts: greedy once + 2 samples at T=1 -> 30 rows in shards of 6
     assert manifest["rows"] == 30 and len(manifest["shards"]) == 5 and manifest["processes"] == 1
+    assert manifest["steps"] == "lean"  # a Llama target on the CPU (generate.steps)
     ds = load_generated(run_dir)
     assert {"prompt_id", "domain", "temperature", "prompt_ids", "completion_ids", "finish_reason", "topk_ids",
             "topk_logprobs"} <= set(ds.column_names)
@@ -210,9 +211,29 @@ def test_independent_set_is_large_varied_and_shares_nothing_with_the_builtin_set
     assert lengths[0] <= 8 and lengths[-1] >= 25  # short and long requests
 
 
-def test_batched_loop_equals_transformers_generate_with_rows_leaving_at_eos():
-    """Greedy rows of our batched loop (left padding, rows leaving the batch at EOS) are transformers'
-    `generate()` rows token for token, and the recorded top-k are its logits' log-softmax top-k."""
+def test_shard_batches_keep_temperatures_apart_and_group_prompt_lengths():
+    from train.completions import Row
+    from train.generate import shard_batches
+
+    lengths = [7, 2, 9, 4, 4, 1, 8, 3, 6, 5]
+    rows = [Row(None, [3] * n, t, 0) for t in (0.0, 0.7) for n in lengths] + [Row(None, [3] * 5, 0.0, 0)]
+    batches = shard_batches(rows, 4)
+    assert sorted(i for b in batches for i in b) == list(range(len(rows)))  # every row once
+    assert all(1 <= len(b) <= 4 and len({rows[i].temperature for i in b}) == 1 for b in batches)
+    assert len(batches) == 6  # 11 greedy rows in 3 batches, 10 sampled in 3
+    for b in batches:  # alike lengths together: each batch's longest prompt is at most the next batch's shortest
+        following = [c for c in batches if c is not b and rows[c[0]].temperature == rows[b[0]].temperature
+                     and batches.index(c) > batches.index(b)]
+        if following:
+            assert max(len(rows[i].prompt_ids) for i in b) <= min(len(rows[i].prompt_ids) for i in following[0])
+    assert shard_batches(rows, 4) == batches  # the same batches (and seeds) when a run resumes
+
+
+@pytest.mark.parametrize("steps", ["lean", "transformers"])
+def test_batched_loop_equals_transformers_generate_with_rows_leaving_at_eos(steps):
+    """Greedy rows of our batched loop (left padding, rows leaving the batch at EOS), with either steps
+    (`generate.steps`), are transformers' `generate()` rows token for token, and the recorded top-k are its
+    logits' log-softmax top-k."""
     import torch
 
     from conftest import make_model
@@ -223,7 +244,7 @@ def test_batched_loop_equals_transformers_generate_with_rows_leaving_at_eos():
     prompts = [torch.randint(3, 16, (n,), generator=g).tolist() for n in (2, 5, 3, 8, 4, 6, 7, 2, 5, 3)]
     rows = [Row(None, ids, 0.0, 0) for ids in prompts]
     settings = SimpleNamespace(max_new_tokens=10, top_p=1.0, top_k=0, topk_logprobs=3)
-    ours = generate_batch(target, SimpleNamespace(pad_token_id=0, eos_token_id=2), rows, settings, seed=0)
+    ours = generate_batch(target, SimpleNamespace(pad_token_id=0, eos_token_id=2), rows, settings, seed=0, steps=steps)
     assert 2 <= sum(finish == "eos" for _, finish, _ in ours) < len(rows), "some rows, not all, must stop early"
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])

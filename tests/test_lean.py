@@ -8,7 +8,7 @@ import torch
 
 from conftest import make_model, trained_draft
 from eval.draft_vocab import restricted_head
-from eval.lean import LeanLM, eager_lm, lean_unsupported
+from eval.lean import LeanBatch, LeanLM, eager_lm, lean_unsupported, lean_weights
 from eval.packed import packed_linears, packing_supported
 from eval.settings import EvalSettings, FieldError
 from eval.speculative import CachedLM, Sampling, speculative_decode, vanilla_decode
@@ -41,7 +41,7 @@ def model(request):
 def test_lean_logits_equal_a_full_pass_after_rollbacks_and_growth(model):
     full = model(torch.tensor([IDS])).logits[0]  # (T, V)
     lm = LeanLM(model, V, capacity=4)  # grows (twice) while the pieces arrive
-    assert (lm.head.packed is not None) == packing_supported(torch.float32)  # its own products, packed where they can be
+    assert (lm.lean.head.packed is not None) == packing_supported(torch.float32)  # its own products, packed where they can be
     pieces = [lm.forward(IDS[:5], keep=5), lm.forward(IDS[5:6], keep=1), lm.forward(IDS[6:], keep=7)]
     torch.testing.assert_close(torch.cat(pieces), full, atol=1e-4, rtol=1e-4)
     assert lm.capacity >= len(IDS)
@@ -110,6 +110,43 @@ def test_lean_draft_with_a_reduced_head_is_exact(draft):
             assert out.output_ids == vanilla_decode(target_lm, prompt, max_new_tokens=30, vocab_size=V).output_ids
             accepted += out.total_accepted
         assert accepted > 0  # the draft was used, not only the target
+
+
+@torch.no_grad()
+def test_lean_batch_equals_transformers_with_left_padding_and_rows_leaving(model):
+    """The generate stage's batched lean steps (`LeanBatch`): each row's logits are its own unpadded pass's, and
+    equal the transformers steps' (`TransformersBatch`) at every step, also after rows leave the batch."""
+    from train.completions import TransformersBatch, batch_steps, left_padded
+
+    prompts = PROMPTS + [[8, 8]]
+    ids, attention = left_padded(prompts, pad=0)
+    positions = (attention.cumsum(-1) - 1).clamp_min(0)
+    lean, ours = batch_steps(model, attention, positions, 6, "lean"), TransformersBatch(model, attention, positions)
+    assert isinstance(lean, LeanBatch) and isinstance(batch_steps(model, attention, positions, 6, "transformers"),
+                                                      TransformersBatch)
+    rows, feed, written = torch.arange(len(prompts)), ids, [list(p) for p in prompts]
+    for step in range(6):
+        logits, reference = lean(feed), ours(feed)
+        torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+        alone = torch.stack([model(torch.tensor([written[r]])).logits[0, -1] for r in rows.tolist()])
+        torch.testing.assert_close(logits, alone, atol=1e-4, rtol=1e-4)
+        chosen = reference.argmax(-1)
+        if step in (1, 3):  # a row leaves (as at EOS): the others go on with their own cache rows
+            kept = torch.tensor([i for i in range(len(rows)) if i != step % len(rows)])
+            lean.select(kept), ours.select(kept)
+            rows, chosen = rows[kept], chosen[kept]
+        for r, token in zip(rows.tolist(), chosen.tolist()):
+            written[r].append(token)
+        feed = chosen[:, None]
+
+
+@torch.no_grad()
+def test_lean_weights_are_built_once_per_model_and_weights():
+    model = make_model(V, layers=1, seed=5)
+    first = lean_weights(model)
+    assert lean_weights(model) is first and LeanLM(model, V).lean is first  # shared by every batch and request
+    model.model.layers[0].self_attn.o_proj.weight.mul_(2.0)
+    assert lean_weights(model) is not first
 
 
 def test_what_lean_steps_do_not_serve_keeps_transformers_forward():

@@ -150,7 +150,7 @@ def test_lean_sampled_output_follows_target(pair):
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 
-def batched_pair_counts(target, sampling, seed=0):
+def batched_pair_counts(target, sampling, seed=0, steps="lean"):
     """(first, second) token counts of N rows of PROMPT written in one `generate_batch` call (EOS is token 2:
     a row that writes it first stops there and is counted at (2, 0))."""
     from types import SimpleNamespace
@@ -161,7 +161,7 @@ def batched_pair_counts(target, sampling, seed=0):
     settings = SimpleNamespace(max_new_tokens=2, top_p=sampling.top_p, top_k=sampling.top_k, topk_logprobs=0)
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=2)
     counts = torch.zeros(V * V, dtype=torch.float64)
-    for ids, finish, _ in generate_batch(target, tokenizer, rows, settings, seed=seed):
+    for ids, finish, _ in generate_batch(target, tokenizer, rows, settings, seed=seed, steps=steps):
         counts[ids[0] * V + (ids[1] if len(ids) > 1 else 0)] += 1
     return counts
 
@@ -174,14 +174,15 @@ def expected_with_eos_first(target, sampling):
     return pairs.flatten() * N
 
 
+@pytest.mark.parametrize("steps", ["lean", "transformers"])
 @pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.8, top_k=5, top_p=0.9)], ids=["T1", "T0.8-topk-topp"])
-def test_generate_stage_samples_follow_the_target(pair, sampling):
-    """The generate stage's own batched loop (train/completions.py) draws rows from the target's filtered
-    distribution; rows that wrote EOS leave the batch and the others go on."""
+def test_generate_stage_samples_follow_the_target(pair, sampling, steps):
+    """The generate stage's own batched loop (train/completions.py), with either `generate.steps`, draws rows
+    from the target's filtered distribution; rows that wrote EOS leave the batch and the others go on."""
     target, _ = pair
     expected = expected_with_eos_first(target, sampling)
     assert 0.05 * N < expected[2 * V] < 0.95 * N, "some rows must stop at EOS after one token for the test to mean it"
-    assert chi_square_pvalue(batched_pair_counts(target, sampling), expected) > 1e-3
+    assert chi_square_pvalue(batched_pair_counts(target, sampling, steps=steps), expected) > 1e-3
 
 
 def test_generate_stage_sampler_that_ignores_the_filters_is_detected(pair, monkeypatch):

@@ -21,6 +21,7 @@ from eval.errors import UserError
 from eval.fsutil import atomic_path, atomic_write_json
 from eval.models import dtype_name, log
 from eval.prompts import Prompt, builtin_prompts, read_jsonl_prompts, row_to_prompt, spread
+from eval.lean import lean_unsupported
 from train.completions import Row, build_rows, generate_batch
 from train.models import cast_weights, generation_dtype
 from train.self_written import write_self_prompts
@@ -112,6 +113,20 @@ def write_shard(path: Path, rows: list[Row], results) -> None:
         pq.write_table(pa.table(table), tmp)
 
 
+def shard_batches(rows: list[Row], batch_size: int) -> list[list[int]]:
+    """A shard's rows (their indices) in batches of at most `batch_size`: never two temperatures in one batch, and
+    within a temperature the rows sorted by prompt length, so a batch's prompts are alike in length and little
+    left padding is computed. Deterministic: a resumed run writes the same batches (and seeds) again."""
+    order = sorted(range(len(rows)), key=lambda i: (rows[i].temperature, len(rows[i].prompt_ids)))
+    batches, current = [], []
+    for i in order:
+        if current and (rows[i].temperature != rows[current[0]].temperature or len(current) == batch_size):
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + [current]
+
+
 def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> Path:
     """Generate every unfinished shard this process owns; the main process writes the manifest last."""
     from train.dist import distributed_state
@@ -127,6 +142,10 @@ def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> 
     if dtype != target.dtype:  # a copy for this stage: the target itself stays as loaded for distill and eval
         log(f"generate: the target writes in {dtype_name(dtype)} (generate.dtype: {gen.dtype}; loaded in {dtype_name(target.dtype)})")
         target = cast_weights(copy.deepcopy(target), dtype)
+    unsupported = lean_unsupported(target) if gen.steps == "lean" else None
+    steps = "transformers" if unsupported else gen.steps
+    if unsupported:
+        log(f"generate: the target runs its own forward ({unsupported})")
     if recipe.data.source == "self":
         prompts = self_written_prompts(recipe, target, tokenizer, out_dir, state)
     else:
@@ -146,18 +165,12 @@ def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> 
     with packed_linears(target):  # a CPU target reads packed weights (eval/packed.py)
         for index in todo:
             shard_rows = rows[index * gen.shard_size:(index + 1) * gen.shard_size]
-            results = []
-            # Batches never mix temperatures; each has a seed fixed by (recipe seed, shard, batch).
-            batches, current = [], []
-            for row in shard_rows:
-                if current and (row.temperature != current[0].temperature or len(current) == gen.batch_size):
-                    batches.append(current)
-                    current = []
-                current.append(row)
-            batches.append(current)
-            for b, batch in enumerate(batches):
-                out = generate_batch(target, tokenizer, batch, gen, seed=recipe.seed * 1_000_003 + index * 1_009 + b)
-                results.extend(out)
+            results = [None] * len(shard_rows)
+            for b, batch in enumerate(shard_batches(shard_rows, gen.batch_size)):
+                out = generate_batch(target, tokenizer, [shard_rows[i] for i in batch], gen,
+                                     seed=recipe.seed * 1_000_003 + index * 1_009 + b, steps=steps)
+                for i, result in zip(batch, out):
+                    results[i] = result
                 new_tokens += sum(len(r[0]) for r in out)
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
@@ -182,6 +195,7 @@ def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> 
             "max_new_tokens": gen.max_new_tokens,
             "topk_logprobs": gen.topk_logprobs,
             "dtype": dtype_name(dtype),
+            "steps": steps,
             "seed": recipe.seed,
             "processes": state.num_processes,
         }

@@ -167,6 +167,10 @@ class GenerateSection:
     natively (avx512_bf16, AMX), else the target's own."""
     shard_size: int = 256
     """Rows per shard on disk."""
+    steps: Literal["lean", "transformers"] = "lean"
+    """How the target's forward passes run: `lean`, a Llama-family target on a CPU runs lean steps (eval/lean.py:
+    its forward pass written out over a plain KV cache, the same maths in fewer calls); `transformers`, or any
+    other target or device, runs its own forward with a `DynamicCache`."""
 
     def __post_init__(self):
         check_temperatures(self.temperatures, "temperatures")

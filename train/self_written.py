@@ -119,7 +119,7 @@ def write_self_prompts(recipe, target, tokenizer, out_dir: Path) -> list[Prompt]
             for domain in short:
                 rows = [Row(None, prefixes[domain], cfg.temperature, s) for s in range(per_round)]
                 seed = recipe.seed * 1_000_003 + r * 7_919 + domains.index(domain)
-                for ids, finish, _ in generate_batch(target, tokenizer, rows, sampling, seed=seed):
+                for ids, finish, _ in generate_batch(target, tokenizer, rows, sampling, seed=seed, steps=recipe.generate.steps):
                     text = tokenizer.decode(ids, skip_special_tokens=True)
                     candidates.append({"domain": domain, "text": text, "finish": finish})
             atomic_write_text(path, "".join(json.dumps(c) + "\n" for c in candidates))
