@@ -1,5 +1,6 @@
-"""Lean decode steps (`eval.eager_steps: lean`): a Llama-family model's forward pass written out over a KV cache of
-plain tensors, as gpt-fast writes its model, for the eager decoder on a CPU.
+"""Lean decode steps (`eval.eager_steps: lean`, `generate.steps: lean`): a Llama-family model's forward pass written
+out over a KV cache of plain tensors, as gpt-fast writes its model, for the eager decoder on a CPU (`LeanLM`, one
+request) and for the generate stage's batches (`LeanBatch`, left-padded rows written together).
 
 A transformers forward pass does Python and small-tensor work besides the matrix products in every layer (a
 cache object's update, masks, rotary tables, keyword plumbing, output dataclasses), and it multiplies by seven
@@ -9,7 +10,8 @@ for oneDNN once (eval/packed.py), the rotary table computed once, the cache a ke
 that grows by doubling, and a rollback a shorter length (the stale entries are overwritten before any query
 can read them). `python scripts/bench_decoder.py --modes packed,lean` times both against each other; docs/eval.md
 has the measurements (on the 2-core development CPU a four-layer SmolLM2 draft token and a target token each
-took a fifth to a third less).
+took a fifth to a third less). `python scripts/bench_generate.py --steps lean,transformers` times the batched
+steps (docs/data.md: greedy answering 1.06-1.17 times as fast, writing requests no faster).
 
 Only models laid out exactly as transformers' Llama (Llama, Qwen2 with its q/k/v biases) run here, on a CPU:
 `lean_unsupported` says why another does not, and that one keeps transformers' forward. On a GPU the eager
