@@ -19,7 +19,7 @@ if [ "$recipe" = recipes/default.yaml ] && [ ${#args[@]} -eq 0 ] && python -c "i
 from eval.models import cpu_flags
 flags = cpu_flags()  # empty where the CPU's flags cannot be read: no hint then
 sys.exit(torch.cuda.is_available() or not flags or 'amx_bf16' in flags)"; then
-  echo "quickstart: no GPU and no AMX here: the default took 73 minutes on a 2-core CPU without AMX (an AMD EPYC Zen 4)." \
+  echo "quickstart: no GPU and no AMX here: the default took 55 to 73 minutes on a 2-core CPU without AMX (an AMD EPYC Zen 4)." \
        "Fitted to about 40 there (alpha 0.04 lower): bash scripts/quickstart.sh data.self_written.num_prompts=1200" \
        "distill.max_steps=750 distill.checkpoint_every=750 generate.batch_size=128" >&2
 fi
