@@ -11,7 +11,7 @@ that grows by doubling, and a rollback a shorter length (the stale entries are o
 can read them). `python scripts/bench_decoder.py --modes packed,lean` times both against each other; docs/eval.md
 has the measurements (on the 2-core development CPU a four-layer SmolLM2 draft token and a target token each
 took a fifth to a third less). `python scripts/bench_generate.py --steps lean,transformers` times the batched
-steps (docs/data.md: greedy answering 1.06-1.17 times as fast, writing requests no faster).
+steps (docs/data.md: greedy answering 0.97-1.17 times as fast, writing requests no faster).
 
 Only models laid out exactly as transformers' Llama (Llama, Qwen2 with its q/k/v biases) run here, on a CPU:
 `lean_unsupported` says why another does not, and that one keeps transformers' forward. On a GPU the eager
