@@ -54,6 +54,11 @@ def lean_unsupported(model) -> str | None:
     return None
 
 
+def runs_lean(model, steps: str) -> bool:
+    """Whether `model` runs lean steps under a steps setting (`eval.eager_steps`, `generate.steps`): asked for and served."""
+    return steps == "lean" and lean_unsupported(model) is None
+
+
 def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     """transformers' Llama RMSNorm: normalised in float32, scaled in the input's dtype."""
     x32 = x.float()
@@ -247,6 +252,6 @@ class LeanBatch:
 def eager_lm(model, vocab_size: int, token_ids: torch.Tensor | None, steps: str):
     """`model`'s eager decoder for `eval.eager_steps`: a `LeanLM` where `steps` is lean and the model allows it,
     else the model itself (decoded with transformers' forward, a fresh `CachedLM` a request)."""
-    if steps == "lean" and lean_unsupported(model) is None:
+    if runs_lean(model, steps):
         return LeanLM(model, vocab_size, token_ids)
     return model

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from eval.lean import LeanBatch, lean_unsupported
+from eval.lean import LeanBatch, runs_lean
 from eval.prompts import Prompt, encode_prompt
 from eval.speculative import Sampling, cache_kwarg, probs_from_logits, sample
 
@@ -83,8 +83,8 @@ def generate_batch(target, tokenizer, rows: list[Row], generate, seed: int, step
 
 def batch_steps(target, attention: torch.Tensor, positions: torch.Tensor, max_new_tokens: int, steps: str):
     """The steps a batch is written with (`generate.steps`): `eval.lean.LeanBatch` where `steps` is lean and the
-    target allows it (`eval.lean.lean_unsupported`), else `TransformersBatch`; both called as `batch(ids)`."""
-    if steps == "lean" and lean_unsupported(target) is None:
+    target allows it (`eval.lean.runs_lean`), else `TransformersBatch`; both called as `batch(ids)`."""
+    if runs_lean(target, steps):
         return LeanBatch(target, attention, positions, max_new_tokens)
     return TransformersBatch(target, attention, positions)
 

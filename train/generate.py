@@ -21,7 +21,7 @@ from eval.errors import UserError
 from eval.fsutil import atomic_path, atomic_write_json
 from eval.models import dtype_name, log
 from eval.prompts import Prompt, builtin_prompts, read_jsonl_prompts, row_to_prompt, spread
-from eval.lean import lean_unsupported
+from eval.lean import lean_unsupported, runs_lean
 from train.completions import Row, build_rows, generate_batch
 from train.models import cast_weights, generation_dtype
 from train.self_written import write_self_prompts
@@ -142,10 +142,9 @@ def run_generate_stage(recipe, target, tokenizer, run_dir: Path, state=None) -> 
     if dtype != target.dtype:  # a copy for this stage: the target itself stays as loaded for distill and eval
         log(f"generate: the target writes in {dtype_name(dtype)} (generate.dtype: {gen.dtype}; loaded in {dtype_name(target.dtype)})")
         target = cast_weights(copy.deepcopy(target), dtype)
-    unsupported = lean_unsupported(target) if gen.steps == "lean" else None
-    steps = "transformers" if unsupported else gen.steps
-    if unsupported:
-        log(f"generate: the target runs its own forward ({unsupported})")
+    steps = "lean" if runs_lean(target, gen.steps) else "transformers"
+    if steps != gen.steps:
+        log(f"generate: the target runs its own forward ({lean_unsupported(target)})")
     if recipe.data.source == "self":
         prompts = self_written_prompts(recipe, target, tokenizer, out_dir, state)
     else:
