@@ -133,6 +133,13 @@ def test_resolved_recipe_is_written_and_other_recipe_refused(tmp_path, tiny_targ
     assert code == 2 and "holds a run of a different recipe (section 'distill' differs)" in err[-1]
     assert (run_dir / "recipe.yaml").read_text() == before  # nothing already written is touched
     train_main([str(recipe), "distill.lr=0.5", "--overwrite"])
+    # A run written before a recipe key existed is the same recipe when the new key holds its default.
+    stored = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    del stored["distill"]["group_by_length"]
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(stored))
+    train_main([str(recipe), "distill.lr=0.5"])
+    code, err = run_cli([str(recipe), "distill.lr=0.5", "distill.group_by_length=true"], capsys)
+    assert code == 2 and "section 'distill' differs" in err[-1]
 
 
 def test_subprocess_exit_status_and_no_traceback(tmp_path):

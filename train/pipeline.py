@@ -19,7 +19,7 @@ from eval.errors import UserError
 from eval.fsutil import atomic_write_json, atomic_write_text
 from eval.models import check_model_vocab, describe_processor, load_model, load_tokenizer, log, num_parameters
 from train.models import build_draft, cast_weights, served_copy, serving_dtype
-from train.recipe import Recipe, dump_recipe
+from train.recipe import Recipe, dump_recipe, parse_recipe
 
 IDENTITY_KEYS = ("target", "draft", "data", "generate", "distill", "seed")
 
@@ -30,6 +30,10 @@ def prepare_run_dir(recipe: Recipe, overwrite: bool = False):
     stored = run_dir / "recipe.yaml"
     if stored.is_file() and not overwrite:
         previous = yaml.safe_load(stored.read_text()) or {}
+        try:  # resolved again: a key added to the recipe since that run holds its default, as it did then
+            previous = parse_recipe(previous).to_dict()
+        except UserError:
+            pass  # a key since removed or renamed: compared as written, so it differs
         current = recipe.to_dict()
         changed = [key for key in IDENTITY_KEYS if previous.get(key) != current.get(key)]
         if changed:
