@@ -355,6 +355,34 @@ def test_data_order_covers_every_example_once_per_epoch():
     assert step_indices(10, 0, 4, seed=0) != step_indices(10, 0, 4, seed=1)
 
 
+def test_grouped_data_order_batches_alike_lengths_and_covers_every_example_once_per_epoch():
+    from train.batches import GROUP_SPAN, step_indices
+
+    n, batch = 1003, 8  # not a multiple of the batch: steps straddle epochs
+    lengths = tuple(int(x) for x in torch.randint(20, 200, (n,), generator=torch.Generator().manual_seed(0)))
+    steps = 3 * n // batch
+    grouped = [step_indices(n, s, batch, seed=0, lengths=lengths) for s in range(steps)]
+    plain = [step_indices(n, s, batch, seed=0) for s in range(steps)]
+    flat = [i for step in grouped for i in step]
+    for epoch in range(2):
+        assert sorted(flat[epoch * n:(epoch + 1) * n]) == list(range(n))
+
+    def spread(step):  # the padding a step's longest example costs the others
+        return max(lengths[i] for i in step) - min(lengths[i] for i in step)
+
+    whole = [spread(step) for step in grouped]
+    # Every whole step of an epoch is one length group (a span of GROUP_SPAN steps sorted: about 180 / 50 wide);
+    # only the steps that straddle two epochs mix, as without grouping.
+    straddling = {s for s in range(steps) if (s * batch) // n != ((s + 1) * batch - 1) // n}
+    assert max(w for s, w in enumerate(whole) if s not in straddling) <= 4 * 180 / GROUP_SPAN
+    assert sum(whole) < 0.2 * sum(spread(step) for step in plain)
+    assert grouped == [step_indices(n, s, batch, seed=0, lengths=lengths) for s in range(steps)]  # resumable
+    assert grouped[:GROUP_SPAN] != [step_indices(n, s, batch, seed=1, lengths=lengths) for s in range(GROUP_SPAN)]
+    # Long and short steps are shuffled over the epoch, not cycled from short to long within each span.
+    firsts = [sum(lengths[i] for i in step) for step in grouped[:GROUP_SPAN]]
+    assert firsts != sorted(firsts)
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_two_processes_match_one_process(stage, tmp_path, generated, tiny_target_dir, tiny_draft_dir):
     """ZeRO-2 and ZeRO-3 (target partitioned too) with 2 CPU processes against one plain process.

@@ -3,11 +3,14 @@ batch, and on-policy batches the draft completes itself.
 
 Data order is fixed by the seed: optimizer step s takes examples [s*G, (s+1)*G) of a per-epoch permutation,
 G = batch_size * grad_accum * processes; process r, micro-batch a takes slice a*P + r (`micro_batches`).
+With `group_by_length` the permutation is regrouped so that each step's examples have alike lengths (less
+padding, the same examples each epoch; `grouped_order`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -46,13 +49,39 @@ def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-def step_indices(n: int, step: int, global_batch: int, seed: int) -> list[int]:
-    """The example indices of optimizer step `step` (0-based), continuing over epochs."""
+GROUP_SPAN = 50
+"""Steps whose examples `grouped_order` sorts by length together (HF Trainer's `group_by_length` uses 50 too)."""
+
+
+@lru_cache(maxsize=4)
+def grouped_order(lengths: tuple[int, ...], epoch: int, seed: int, global_batch: int) -> list[int]:
+    """The epoch's permutation regrouped by length: each span of GROUP_SPAN steps' examples is sorted by length
+    and cut into steps of `global_batch`, and the whole steps are shuffled over the epoch (so a step's examples
+    are alike in length but long and short steps do not come in a fixed cycle). Steps run on over epochs: the
+    examples that fill the step the previous epoch left short come first, and a step this epoch leaves short
+    comes last, so that every whole step in between is one group."""
+    n = len(lengths)
+    order = epoch_order(n, epoch, seed)
+    head = (-epoch * n) % global_batch  # the previous epoch's short step takes these
+    span = global_batch * GROUP_SPAN
+    steps = []
+    for lo in range(head, n, span):
+        ranked = sorted(order[lo:lo + span], key=lambda i: lengths[i])
+        steps += [ranked[i:i + global_batch] for i in range(0, len(ranked), global_batch)]
+    short = steps.pop() if steps and len(steps[-1]) < global_batch else []
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch + 7_777)
+    return order[:head] + [i for k in torch.randperm(len(steps), generator=g).tolist() for i in steps[k]] + short
+
+
+def step_indices(n: int, step: int, global_batch: int, seed: int, lengths: tuple[int, ...] | None = None) -> list[int]:
+    """The example indices of optimizer step `step` (0-based), continuing over epochs; with `lengths` (one per
+    example) each epoch's order is `grouped_order`."""
     out, position = [], step * global_batch
     while len(out) < global_batch:
         epoch, offset = divmod(position, n)
         take = min(global_batch - len(out), n - offset)
-        out.extend(epoch_order(n, epoch, seed)[offset:offset + take])
+        order = epoch_order(n, epoch, seed) if lengths is None else grouped_order(lengths, epoch, seed, global_batch)
+        out.extend(order[offset:offset + take])
         position += take
     return out
 
@@ -92,9 +121,10 @@ def collate(examples: list[Example], pad_id: int) -> Batch:
 
 
 def micro_batches(examples: list[Example], step: int, *, batch_size: int, grad_accum: int, world: int, rank: int,
-                  seed: int, pad_id: int) -> list[Batch]:
+                  seed: int, pad_id: int, group_by_length: bool = False) -> list[Batch]:
     """This process's `grad_accum` micro-batches of optimizer step `step`."""
-    indices = step_indices(len(examples), step, batch_size * grad_accum * world, seed)
+    lengths = tuple(len(e.ids) for e in examples) if group_by_length else None
+    indices = step_indices(len(examples), step, batch_size * grad_accum * world, seed, lengths)
     batches = []
     for a in range(grad_accum):
         lo = (a * world + rank) * batch_size

@@ -199,7 +199,8 @@ def run_distill_stage(recipe, accelerator, target, draft, tokenizer, run_dir: Pa
             t0 = time.perf_counter()
             # This process's micro-batches; on a seeded draw (the same on every process) the draft writes them.
             micro = micro_batches(examples, step, batch_size=section.batch_size, grad_accum=section.grad_accum, world=world,
-                                  rank=rank, seed=recipe.train_seed, pad_id=tokenizer.pad_token_id)
+                                  rank=rank, seed=recipe.train_seed, pad_id=tokenizer.pad_token_id,
+                                  group_by_length=section.group_by_length)
             gen = torch.Generator().manual_seed(recipe.train_seed * 7_919 + step)
             on_policy = section.on_policy_lambda > 0 and torch.rand((), generator=gen).item() < section.on_policy_lambda
             if on_policy:

@@ -203,6 +203,9 @@ class DistillSection:
     grad_accum: int = 1
     max_grad_norm: float = 1.0
     max_seq_len: int = 512
+    group_by_length: bool = False
+    """Batch examples of alike length together (each span of 50 steps sorted by length, the steps then shuffled):
+    less padding in the draft's forward, the same examples each epoch in another order (as HF Trainer's)."""
     loss_chunk_size: int = 64
     """Loss positions per chunk: the draft's head runs inside the loss, one chunk of logits at a time (0: full logits)."""
     checkpoint_every: int = 50
