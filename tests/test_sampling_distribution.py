@@ -193,3 +193,27 @@ def test_generate_stage_sampler_that_ignores_the_filters_is_detected(pair, monke
     monkeypatch.setattr(completions, "probs_from_logits", lambda logits, s: logits.float().softmax(-1))
     expected = expected_with_eos_first(target, sampling)
     assert chi_square_pvalue(batched_pair_counts(target, sampling), expected) < 1e-3
+
+
+def sorted_top_p_reference(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p by definition over the whole sorted vocabulary: a token is dropped when the mass ranked above it
+    already reaches top_p (the most likely token always stays). (..., V) -> bool (..., V), True = kept."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    p = sorted_logits.softmax(-1)
+    keep_sorted = (p.cumsum(-1) - p) < top_p
+    return keep_sorted.scatter(-1, order, keep_sorted)
+
+
+@pytest.mark.parametrize("scale", [8.0, 1.0, 0.05], ids=["peaked", "moderate", "flat"])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.999])
+def test_top_p_filter_keeps_exactly_the_sorted_definitions_tokens(scale, top_p):
+    """The filter looks among the top k tokens first (k grown until they hold top_p in every row); on a flat
+    distribution that means most of the vocabulary, and the kept set is the full sort's either way."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 5000, generator=g) * scale  # distinct values: no ties to order
+    logits[3] = logits[3].clamp(max=-2.0) + torch.arange(5000) * 1e-6  # one row far flatter than the others
+    kept = probs_from_logits(logits, Sampling(1.0, top_p=top_p)) > 0
+    assert torch.equal(kept, sorted_top_p_reference(logits, top_p))
+    kept_k = probs_from_logits(logits, Sampling(1.0, top_k=40, top_p=top_p)) > 0  # top-k first, then top-p
+    masked = logits.masked_fill(logits < torch.topk(logits, 40).values[:, -1:], float("-inf"))
+    assert torch.equal(kept_k, sorted_top_p_reference(masked, top_p))
